@@ -1,0 +1,108 @@
+"""Shared by the repository's own tests and examples: tiny transformers models with fixed seeds.
+
+The models are small enough that a comparison with several variants takes well under a second on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).parent
+#: A tiny Llama committed as safetensors (see tests/data/make_tiny_models.py): the bundled example model.
+TINY_LLAMA_DIR = ROOT / "tests" / "data" / "tiny-llama"
+
+VOCAB_SIZE = 256
+
+
+def _seeded(config: Any, model_class: Any, seed: int) -> Any:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.eval()
+    return model
+
+
+def tiny_llama(*, seed: int = 0, tied: bool = False, layers: int = 4, dropout: float = 0.0) -> Any:
+    """A 4-layer Llama (hidden 64, 4 heads, 2 KV heads, vocabulary 256) with random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attention_dropout=dropout,
+        attn_implementation="eager",
+    )
+    return _seeded(config, LlamaForCausalLM, seed)
+
+
+def tiny_gpt2(*, seed: int = 0, layers: int = 3, dropout: float = 0.0) -> Any:
+    """A 3-layer GPT-2 (hidden 64, 4 heads, tied head, with biases and dropout) with random weights."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_embd=64,
+        n_layer=layers,
+        n_head=4,
+        n_positions=256,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        attn_implementation="eager",
+    )
+    return _seeded(config, GPT2LMHeadModel, seed)
+
+
+def tiny_qwen2(*, seed: int = 0, tied: bool = True, layers: int = 3) -> Any:
+    """A 3-layer Qwen2 (hidden 64, biased QKV, tied head by default) with random weights."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+        attn_implementation="eager",
+    )
+    return _seeded(config, Qwen2ForCausalLM, seed)
+
+
+def load_tiny_llama(dtype: Any = None, device: Any = "cpu") -> Any:
+    """The committed tiny Llama, loaded from disk as transformers would load a checkpoint.
+
+    Usable as a model factory: `compare(load_tiny_llama, ...)` builds each run's model in its own dtype.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR, dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
+def random_tokens(*, batch: int = 2, length: int = 32, seed: int = 0) -> Any:
+    """Uniform random token ids, shape (batch, length)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB_SIZE, (batch, length), generator=generator)
+
+
+@pytest.fixture
+def llama_batch() -> dict[str, Any]:
+    """input_ids and labels for the tiny models: 2 sequences of 32 random tokens."""
+    ids = random_tokens()
+    return {"input_ids": ids, "labels": ids.clone()}

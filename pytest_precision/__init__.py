@@ -1,0 +1,46 @@
+"""pytest-precision: per-layer numerical precision of PyTorch models as a CI gate.
+
+The public names load lazily, so that `import pytest_precision.plugin` (which pytest does for every user of
+the environment) does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .assertion import assert_precision_within
+    from .compare import compare
+    from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
+    from .metrics import TensorError, tensor_error
+    from .report import PrecisionReport, Record
+    from .variants import BUILTIN_VARIANTS, Variant
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "assert_precision_within": "assertion",
+    "compare": "compare",
+    "BaselineError": "errors",
+    "ConfigurationError": "errors",
+    "ModelRunError": "errors",
+    "PrecisionError": "errors",
+    "TensorError": "metrics",
+    "tensor_error": "metrics",
+    "PrecisionReport": "report",
+    "Record": "report",
+    "BUILTIN_VARIANTS": "variants",
+    "Variant": "variants",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pytest_precision' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,118 @@
+"""Failure and summary text: headline with counts, a capped table in execution order, then the fix."""
+
+from __future__ import annotations
+
+import math
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+
+from .tables import render
+from .tolerance import Violation
+
+#: Rows shown before "... N more".
+MAX_ROWS = 20
+
+# Execution order: forward rows in forward order, then backward rows in backward order, then gradients,
+# so that the first row is where precision was first lost.
+_KIND_ORDER = {"fw": 0, "logprob": 1, "loss": 2, "bw": 3, "grad": 4, "*": 5}
+
+REFRESH_TEMPLATE = "pytest {nodeid} --update-baselines"
+
+
+def refresh_command(nodeid: str) -> str:
+    return REFRESH_TEMPLATE.format(nodeid=shlex.quote(nodeid))
+
+
+def execution_order(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> list[Violation]:
+    """Sort by variant run order, then kind group, then capture order within the kind."""
+    variants = list(dict.fromkeys(v.variant for v in violations))
+    return sorted(
+        violations,
+        key=lambda v: (
+            variants.index(v.variant),
+            _KIND_ORDER.get(v.kind, 9),
+            order.get((v.variant, v.name, v.kind), math.inf),
+        ),
+    )
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return f"{value:.4g}"
+
+
+def _ratio(violation: Violation) -> str:
+    ratio = violation.ratio
+    if ratio is None:
+        return "-"
+    return "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
+
+
+def violation_table(violations: Sequence[Violation]) -> list[str]:
+    header = ["variant", "tensor", "kind", "metric", "baseline", "obtained", "ratio", "allowed"]
+    shown = violations[:MAX_ROWS]
+    rows = []
+    for v in shown:
+        if v.reason in ("missing", "new"):
+            what = "variant" if v.name == "*" else "tensor"
+            side = "not in this run" if v.reason == "missing" else "not in the baseline"
+            rows.append([v.variant, v.name, v.kind, f"{v.reason} {what}", side, "", "", ""])
+        elif v.reason == "limit":
+            rows.append([v.variant, v.name, v.kind, v.metric, "(limit)", _number(v.obtained), "", _number(v.allowed)])
+        else:
+            rows.append(
+                [v.variant, v.name, v.kind, v.metric, _number(v.expected), _number(v.obtained), _ratio(v),
+                 _number(v.allowed)]
+            )
+    lines = render(header, rows)
+    if len(violations) > MAX_ROWS:
+        lines.append(f"  ... {len(violations) - MAX_ROWS} more")
+    return lines
+
+
+def regression_message(
+    violations: Sequence[Violation],
+    gated: int,
+    path: Path,
+    nodeid: str,
+    order: dict[tuple[str, str, str], int],
+) -> str:
+    ordered = execution_order(violations, order)
+    tensors = {(v.variant, v.name, v.kind) for v in ordered}
+    variants = {v.variant for v in ordered}
+    percent = 100.0 * len(tensors) / gated if gated else 100.0
+    first = ordered[0]
+    nonfinite = [v for v in ordered if v.reason == "nonfinite"]
+    lines = [
+        f"precision regressed: {len(tensors)} / {gated} tensors ({percent:.1f}%) in {len(variants)} variant(s); "
+        f"first: {first.variant} {first.name} ({first.kind})",
+    ]
+    if nonfinite:
+        lines.append(
+            "non-finite values (NaN/Inf) where the baseline had none: "
+            + ", ".join(f"{v.variant} {v.name} ({v.kind})" for v in nonfinite[:5])
+        )
+    lines += [*violation_table(ordered), f"Baseline: {path}", f"If the change is intended, refresh it: {refresh_command(nodeid)}"]
+    return "\n".join(lines)
+
+
+def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> str:
+    ordered = execution_order(violations, order)
+    return "\n".join(
+        [f"precision limits exceeded by {len(ordered)} tensor metric(s) (limits hold without a baseline)",
+         *violation_table(ordered)]
+    )
+
+
+def missing_baseline_message(path: Path, nodeid: str) -> str:
+    return "\n".join(
+        [
+            f"no precision baseline for {nodeid}",
+            f"expected: {path}",
+            f"Create it with: {refresh_command(nodeid)}   (then review and commit it)",
+        ]
+    )

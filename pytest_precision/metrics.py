@@ -1,0 +1,175 @@
+"""Per-tensor error metrics of a variant tensor `y` against a reference tensor `x`.
+
+All metrics come from one fused pass of float64 sums over the elements where both `x` and `y` are finite,
+kept on the tensors' device and copied to the host once per tensor. The sums are taken over `x` and the
+difference `d = y - x` rather than over `y`, so that statistics of a small error are not lost to
+cancellation (var_y - cov^2/var_x for y ~ x cancels to ~1e-8 of the signal in float64; var_d does not).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+Direction = Literal["lower", "higher", "unit"]
+
+#: Whether a smaller ("lower"), larger ("higher") or closer-to-one ("unit": |1 - value|) value is better.
+METRIC_DIRECTIONS: dict[str, Direction] = {
+    "ref_rms": "lower",
+    "rms_abs": "lower",
+    "rms_rel": "lower",
+    "max_abs": "lower",
+    "max_rel": "lower",
+    "bias_abs": "lower",
+    "bias_rel": "lower",
+    "correlation": "higher",
+    "slope": "unit",
+    "residual_rms_rel": "lower",
+    "cosine": "higher",
+    "sqnr_db": "higher",
+    "nonfinite": "lower",
+}
+
+#: Metrics describing the reference rather than an error: never gated.
+DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
+
+#: Signed metrics whose magnitude is what matters (the gate compares |value|).
+SIGNED_METRICS = frozenset({"bias_abs", "bias_rel"})
+
+# Elements per chunk of the fused pass: bounds the float64 temporaries to a few tens of MB.
+_CHUNK_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class TensorError:
+    """Error of one variant tensor against its reference. Undefined values are None.
+
+    count: elements compared (both finite, not masked out).
+    ref_rms: sqrt(mean(x^2)).
+    rms_abs: sqrt(mean((y-x)^2)); rms_rel = rms_abs / ref_rms (None when ref_rms is 0).
+    max_abs: max|y-x|; max_rel = max_abs / ref_rms.
+    bias_abs: mean(y-x); bias_rel = bias_abs / ref_rms.
+    correlation: centred Pearson correlation of x and y (None when either is constant).
+    slope: cov(x,y) / var(x), the least-squares fit y ~ slope*x + c (None when x is constant).
+    residual_rms_rel: RMS of y about that fit over ref_rms, sqrt(max(var_y - cov^2/var_x, 0)) / ref_rms.
+    cosine: sum(xy) / sqrt(sum(x^2) sum(y^2)) (None when either is all zeros).
+    sqnr_db: 10 log10(sum x^2 / sum (y-x)^2); +inf when y equals x, -inf when x is all zeros and y is not.
+    nonfinite: count of NaN/Inf in y where x is finite.
+    """
+
+    count: int
+    ref_rms: float | None
+    rms_abs: float | None
+    rms_rel: float | None
+    max_abs: float | None
+    max_rel: float | None
+    bias_abs: float | None
+    bias_rel: float | None
+    correlation: float | None
+    slope: float | None
+    residual_rms_rel: float | None
+    cosine: float | None
+    sqnr_db: float | None
+    nonfinite: int
+
+
+METRIC_NAMES: tuple[str, ...] = tuple(f.name for f in fields(TensorError) if f.name != "count")
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, None when the denominator is zero (the only guard: no fixed epsilon)."""
+    return None if denominator == 0 else numerator / denominator
+
+
+def metrics_from_sums(
+    n: int, sx: float, sd: float, sxx: float, sdd: float, sxd: float, max_abs: float, nonfinite: int
+) -> TensorError:
+    """Build every metric from the fused sums over x and d = y - x (n elements, all finite)."""
+    if n == 0:
+        return TensorError(0, *([None] * 12), nonfinite=nonfinite)  # type: ignore[arg-type]
+    ref_rms = math.sqrt(sxx / n)
+    rms_abs = math.sqrt(sdd / n)
+    bias_abs = sd / n
+    mean_x = sx / n
+    var_x = max(sxx / n - mean_x * mean_x, 0.0)
+    var_d = max(sdd / n - bias_abs * bias_abs, 0.0)
+    cov_xd = sxd / n - mean_x * bias_abs
+    cov_xy = var_x + cov_xd
+    var_y = max(var_x + 2.0 * cov_xd + var_d, 0.0)
+    syy = sxx + 2.0 * sxd + sdd
+    slope = None if var_x == 0 else 1.0 + cov_xd / var_x
+    # var_y - cov_xy^2 / var_x, rewritten in terms of d so that it does not cancel.
+    residual_var = None if var_x == 0 else max(var_d - cov_xd * cov_xd / var_x, 0.0)
+    correlation = None if var_x == 0 or var_y == 0 else cov_xy / math.sqrt(var_x * var_y)
+    if correlation is not None:
+        correlation = min(max(correlation, -1.0), 1.0)
+    cosine = None if sxx == 0 or syy <= 0 else (sxx + sxd) / math.sqrt(sxx * syy)
+    if cosine is not None:
+        cosine = min(max(cosine, -1.0), 1.0)
+    if sdd == 0:
+        sqnr_db: float | None = math.inf
+    elif sxx == 0:
+        sqnr_db = -math.inf
+    else:
+        sqnr_db = 10.0 * math.log10(sxx / sdd)
+    return TensorError(
+        count=n,
+        ref_rms=ref_rms,
+        rms_abs=rms_abs,
+        rms_rel=_ratio(rms_abs, ref_rms),
+        max_abs=max_abs,
+        max_rel=_ratio(max_abs, ref_rms),
+        bias_abs=bias_abs,
+        bias_rel=_ratio(bias_abs, ref_rms),
+        correlation=correlation,
+        slope=slope,
+        residual_rms_rel=None if residual_var is None else _ratio(math.sqrt(residual_var), ref_rms),
+        cosine=cosine,
+        sqnr_db=sqnr_db,
+        nonfinite=nonfinite,
+    )
+
+
+def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
+    """Compare `variant` to `reference` (same shape) in float64, in one fused, chunked pass on their device.
+
+    Elements where either side is NaN/Inf are left out of every metric; those where only the variant is
+    non-finite are counted in `nonfinite`.
+    """
+    import torch
+
+    if reference.shape != variant.shape:
+        raise ValueError(f"shape mismatch: reference {tuple(reference.shape)} vs variant {tuple(variant.shape)}")
+    x_all = reference.detach().reshape(-1)
+    y_all = variant.detach().reshape(-1).to(x_all.device)
+    # [n, sx, sd, sxx, sdd, sxd, max|d|, nonfinite] accumulated on the device; one host copy at the end.
+    totals = torch.zeros(8, dtype=torch.float64, device=x_all.device)
+    for start in range(0, x_all.numel(), _CHUNK_ELEMENTS):
+        x = x_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
+        y = y_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
+        x_finite = torch.isfinite(x)
+        y_finite = torch.isfinite(y)
+        both = x_finite & y_finite
+        d = torch.where(both, y - x, 0.0)
+        x = torch.where(both, x, 0.0)
+        chunk = torch.stack(
+            [
+                both.sum(dtype=torch.float64),
+                x.sum(),
+                d.sum(),
+                (x * x).sum(),
+                (d * d).sum(),
+                (x * d).sum(),
+                d.abs().max() if d.numel() else d.new_zeros(()),
+                (x_finite & ~y_finite).sum(dtype=torch.float64),
+            ]
+        )
+        totals[:6] += chunk[:6]
+        totals[6] = torch.maximum(totals[6], chunk[6])
+        totals[7] += chunk[7]
+    n, sx, sd, sxx, sdd, sxd, max_abs, nonfinite = totals.tolist()
+    return metrics_from_sums(int(n), sx, sd, sxx, sdd, sxd, max_abs, int(nonfinite))

@@ -1,0 +1,152 @@
+"""The result of a comparison: per variant, one record per captured tensor, plus what each run was."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metrics import METRIC_NAMES, TensorError
+
+KINDS = ("fw", "loss", "bw", "grad")
+
+
+def kind_rank(kind: str) -> int:
+    """Display and gate order of kinds: forward rows, the loss, backward rows, parameter gradients."""
+    return KINDS.index(kind) if kind in KINDS else len(KINDS)
+
+
+@dataclass(frozen=True)
+class Record(TensorError):
+    """The error of one tensor of one variant; each metric of TensorError is an attribute."""
+
+    name: str = ""
+    kind: str = ""
+    shape: tuple[int, ...] = ()
+
+    @classmethod
+    def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError) -> Record:
+        return cls(**dataclasses.asdict(error), name=name, kind=kind, shape=tuple(shape))
+
+    def metric(self, metric: str) -> float | None:
+        """A metric by name (None when undefined)."""
+        value = getattr(self, metric)
+        return None if value is None else float(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["shape"] = list(self.shape)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Record:
+        values = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        values["shape"] = tuple(data.get("shape") or ())
+        values["count"] = int(data.get("count") or 0)
+        values["nonfinite"] = int(data.get("nonfinite") or 0)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What one run was: its spec, the dtypes it held, its inputs and the backend settings it pinned."""
+
+    variant: dict[str, Any]
+    parameter_dtypes: dict[str, int]
+    buffer_dtypes: dict[str, int]
+    input_shapes: dict[str, list[int]]
+    token_count: int | None
+    backend: dict[str, dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunInfo:
+        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass
+class PrecisionReport:
+    """Records of every variant against the reference, in capture (execution) order."""
+
+    reference: RunInfo
+    device: str
+    runs: dict[str, RunInfo] = field(default_factory=dict)
+    _records: dict[str, list[Record]] = field(default_factory=dict)
+    missing: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+
+    @property
+    def variants(self) -> list[str]:
+        """Variant names, in the order they ran."""
+        return list(self.runs)
+
+    def records(self, variant: str, kind: str | None = None) -> list[Record]:
+        """The variant's records (optionally of one kind), in execution order."""
+        if variant not in self._records:
+            raise KeyError(f"no variant {variant!r} in this report; variants: {', '.join(self.variants)}")
+        rows = self._records[variant]
+        return [r for r in rows if kind is None or r.kind == kind]
+
+    def get(self, variant: str, name: str, kind: str = "fw") -> Record:
+        """One record by variant, tensor name and kind."""
+        for record in self.records(variant):
+            if record.name == name and record.kind == kind:
+                return record
+        names = [r.name for r in self.records(variant, kind)]
+        raise KeyError(f"variant {variant!r} has no {kind} tensor {name!r}; {kind} tensors: {', '.join(names)}")
+
+    def add(self, variant: str, run: RunInfo, records: list[Record], missing: list[tuple[str, str]]) -> None:
+        self.runs[variant] = run
+        # Grouped by kind, each kind in capture order: forward order, backward order, gradient order.
+        self._records[variant] = sorted(records, key=lambda r: kind_rank(r.kind))
+        self.missing[variant] = missing
+
+    def format(self, *, full: bool = True) -> str:
+        """The error-propagation summary per variant and, with `full`, every tensor's row."""
+        from .tables import format_report
+
+        return format_report(self, full=full)
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "reference": self.reference.to_dict(),
+            "variants": {
+                name: {
+                    "run": self.runs[name].to_dict(),
+                    "records": [r.to_dict() for r in self._records[name]],
+                    "missing": [list(m) for m in self.missing.get(name, [])],
+                }
+                for name in self.variants
+            },
+            "order": self.variants,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrecisionReport:
+        report = cls(reference=RunInfo.from_dict(data["reference"]), device=data.get("device", "cpu"))
+        variants = data["variants"]
+        for name in data.get("order") or list(variants):
+            entry = variants[name]
+            report.add(
+                name,
+                RunInfo.from_dict(entry["run"]),
+                [Record.from_dict(r) for r in entry["records"]],
+                [(m[0], m[1]) for m in entry.get("missing", [])],
+            )
+        return report
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """None for None and NaN; infinities kept."""
+    if value is None or math.isnan(value):
+        return None
+    return value
+
+
+__all__ = ["KINDS", "METRIC_NAMES", "PrecisionReport", "Record", "RunInfo"]

@@ -1,0 +1,214 @@
+"""The plugin's per-session state and the baseline check workflow behind `assert_precision_within`."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .errors import ConfigurationError, PrecisionError
+
+if TYPE_CHECKING:
+    from .report import PrecisionReport
+
+#: ini / command-line option names.
+OPTION_BASELINE_DIR = "precision_baseline_dir"
+OPTION_RTOL = "precision_rtol"
+OPTION_ATOL = "precision_atol"
+OPTION_TABLES = "precision_tables"
+
+STEMS_KEY = pytest.StashKey[set[str]]()
+TABLES_KEY = pytest.StashKey[list[str]]()
+
+
+def option(config: pytest.Config, name: str) -> Any:
+    """The command-line value when given, else the ini value (every option but --update-baselines has one)."""
+    value = config.getoption(name)
+    return config.getini(name) if value is None else value
+
+
+def _float_option(config: pytest.Config, name: str) -> float | None:
+    value = option(config, name)
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass
+class PrecisionSession:
+    """Options read once, and the outcome counts shown in the terminal summary."""
+
+    rootpath: Path
+    baseline_dir: Path
+    update: bool
+    gpu: bool
+    show_tables: bool
+    rtol: float | None
+    atol: float | None
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> PrecisionSession:
+        directory = Path(option(config, OPTION_BASELINE_DIR) or "baselines")
+        if not directory.is_absolute():
+            directory = config.rootpath / directory
+        return cls(
+            rootpath=config.rootpath,
+            baseline_dir=directory,
+            update=bool(config.getoption("update_baselines")),
+            gpu=bool(config.getoption("precision_gpu")),
+            show_tables=_truthy(option(config, OPTION_TABLES)),
+            rtol=_float_option(config, OPTION_RTOL),
+            atol=_float_option(config, OPTION_ATOL),
+        )
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpu else "cpu"
+
+    def check(
+        self,
+        item: pytest.Item,
+        report: PrecisionReport,
+        *,
+        baseline: str | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        metrics: Iterable[str] | None = None,
+        tolerances: Mapping[str, Mapping[str, float]] | None = None,
+        limits: Mapping[str, Mapping[str, float]] | None = None,
+    ) -> None:
+        """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits."""
+        __tracebackhide__ = True
+        from . import baseline as baselines
+        from . import messages
+        from .environment import device_key, environment
+        from .tolerance import DEFAULT_METRICS, Tolerance, ToleranceRules, check_against_baseline, check_limits
+
+        try:
+            stem = baseline or baselines.baseline_stem(item.nodeid)
+            used = item.stash.setdefault(STEMS_KEY, set())
+            if stem in used:
+                raise ConfigurationError(
+                    f"assert_precision_within called twice in {item.nodeid} with baseline stem {stem!r}; give each "
+                    "call its own baseline='...'"
+                )
+            used.add(stem)
+            path = baselines.baseline_path(self.baseline_dir, self._test_file(item), stem, device_key(report.device))
+            rules = ToleranceRules(
+                base=self._base_tolerance(item, Tolerance), rtol=rtol, atol=atol, per_tensor=dict(tolerances or {})
+            )
+            obtained = {v: report.records(v) for v in report.variants}
+            order = {
+                (variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)
+            }
+            limit_violations = check_limits(obtained, limits or {})
+            hint = messages.refresh_command(item.nodeid)
+            if self.update:
+                self._write(path, baselines.document(report, item.nodeid, environment(report.device, self._flags(report))))
+            else:
+                if not path.exists():
+                    self.outcomes["missing"] += 1
+                    pytest.fail(messages.missing_baseline_message(self._shown(path), item.nodeid), pytrace=False)
+                expected = baselines.load_baseline(path, hint).records()
+                violations, gated = check_against_baseline(
+                    expected, obtained, rules, metrics if metrics is not None else DEFAULT_METRICS
+                )
+                if violations:
+                    self.outcomes["failed"] += 1
+                    message = messages.regression_message(violations, gated, self._shown(path), item.nodeid, order)
+                    if limit_violations:
+                        message += "\n" + messages.limit_message(limit_violations, order)
+                    pytest.fail(message, pytrace=False)
+                self.outcomes["passed"] += 1
+            if limit_violations:
+                pytest.fail(messages.limit_message(limit_violations, order), pytrace=False)
+        except PrecisionError as error:
+            pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
+
+    def _write(self, path: Path, document: dict[str, Any]) -> None:
+        from . import baseline as baselines
+
+        if path.exists() and baselines.numbers_unchanged(path, document):
+            self.outcomes["unchanged"] += 1
+            return
+        self.outcomes["updated" if path.exists() else "written"] += 1
+        baselines.write_atomically(path, baselines.render(document))
+
+    @staticmethod
+    def _flags(report: PrecisionReport) -> dict[str, Any]:
+        return dict(report.reference.backend["settings"])
+
+    def _base_tolerance(self, item: pytest.Item, tolerance_type: Any) -> Any:
+        base = tolerance_type()
+        rtol = self.rtol if self.rtol is not None else base.rtol
+        atol = self.atol if self.atol is not None else base.atol
+        marker = item.get_closest_marker("precision")
+        if marker is not None:
+            unknown = sorted(set(marker.kwargs) - {"rtol", "atol"})
+            if unknown or marker.args:
+                raise ConfigurationError(
+                    f"@pytest.mark.precision takes rtol= and atol= keywords only, got {marker.args or unknown}"
+                )
+            rtol = marker.kwargs.get("rtol", rtol)
+            atol = marker.kwargs.get("atol", atol)
+        return tolerance_type(rtol=float(rtol), atol=float(atol))
+
+    def _test_file(self, item: pytest.Item) -> str:
+        try:
+            return os.fspath(item.path.relative_to(self.rootpath))
+        except ValueError:
+            return item.path.name
+
+    def _shown(self, path: Path) -> Path:
+        try:
+            return path.relative_to(Path.cwd())
+        except ValueError:
+            return path
+
+    def summary_lines(self) -> list[str]:
+        """The terminal summary line: counts of baseline outcomes, in a fixed order."""
+        order = ("written", "updated", "unchanged", "passed", "failed", "missing")
+        parts = [f"{self.outcomes[k]} {k}" for k in order if self.outcomes[k]]
+        if not parts:
+            return []
+        mode = "update" if self.update else "compare"
+        return [f"precision baselines ({mode}, {self._shown(self.baseline_dir)}): {', '.join(parts)}"]
+
+
+SESSION_KEY = pytest.StashKey[PrecisionSession]()
+
+
+class PrecisionRunner:
+    """The `precision` fixture: `precision.run(model, inputs, variants=[...], **compare_kwargs)`."""
+
+    def __init__(self, item: pytest.Item, device: str) -> None:
+        self._item = item
+        self.device = device
+
+    def run(self, model: Any, inputs: Any, variants: Any, **compare_kwargs: Any) -> PrecisionReport:
+        """`pytest_precision.compare` on the session's device; the tables are kept for --precision-tables."""
+        __tracebackhide__ = True
+        from .compare import compare
+
+        compare_kwargs.setdefault("device", self.device)
+        try:
+            report = compare(model, inputs, variants, **compare_kwargs)
+        except PrecisionError as error:
+            pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
+        self._item.stash.setdefault(TABLES_KEY, []).append(report.format(full=False))
+        return report

@@ -1,0 +1,130 @@
+"""Text tables of a report: the error-propagation summary (first -> mid median -> mid max -> last) per kind
+with one row per variant, then every tensor of every variant.
+
+Relative errors print in percent; a column's decimals adapt so that its smallest non-zero value still
+shows two significant digits.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .report import PrecisionReport, Record
+
+SUMMARY_KINDS = ("fw", "bw", "grad")
+_MIN_DECIMALS = 3
+_MAX_DECIMALS = 10
+
+
+def percent_column(values: Sequence[float | None]) -> list[str]:
+    """Percentages with one decimal count per column: enough for two significant digits of the smallest."""
+    nonzero = [abs(v) * 100 for v in values if v is not None and math.isfinite(v) and v != 0]
+    decimals = _MIN_DECIMALS
+    if nonzero:
+        smallest = min(nonzero)
+        decimals = min(max(_MIN_DECIMALS, 1 - math.floor(math.log10(smallest))), _MAX_DECIMALS)
+    return [_percent(v, decimals) for v in values]
+
+
+def _percent(value: float | None, decimals: int) -> str:
+    if value is None:
+        return "n/a"
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value * 100:.{decimals}f}%"
+
+
+def _plain(value: float | None, spec: str) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return format(value, spec)
+
+
+def render(header: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "  ") -> list[str]:
+    """Columns left-aligned for the first, right-aligned for the rest, one space-separated line each."""
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return (indent + "  ".join(parts)).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def propagation(records: Sequence[Record], metric: str = "rms_rel") -> tuple[list[float | None], list[str]]:
+    """(first, mid median, mid max, last) of a metric over records in order, and the first/last names."""
+    values = [r.metric(metric) for r in records]
+    if not values:
+        return [None, None, None, None], ["-", "-"]
+    middle = [v for v in values[1:-1] if v is not None and not math.isnan(v)]
+    median = statistics.median(middle) if middle else None
+    peak = max(middle) if middle else None
+    return [values[0], median, peak, values[-1]], [records[0].name, records[-1].name]
+
+
+def summary_table(report: PrecisionReport, kind: str, metric: str = "rms_rel") -> list[str]:
+    """One row per variant: the metric at the first tensor, the median and max in between, the last."""
+    results = [propagation(report.records(v, kind), metric) for v in report.variants]
+    if not any(report.records(v, kind) for v in report.variants):
+        return []
+    first, last = next(names for (_, names), v in zip(results, report.variants) if report.records(v, kind))
+    columns = list(zip(*(values for values, _ in results)))
+    formatted = [percent_column(list(column)) for column in columns]
+    header = [kind, f"first ({first})", "mid median", "mid max", f"last ({last})"]
+    rows = [[variant, *(column[i] for column in formatted)] for i, variant in enumerate(report.variants)]
+    return render(header, rows)
+
+
+def tensor_table(records: Sequence[Record]) -> list[str]:
+    """Every record of one variant, grouped by kind, with the main metrics."""
+    header = ["tensor", "kind", "rms_rel", "max_rel", "bias_rel", "resid_rel", "corr", "slope", "sqnr_dB", "nonfin"]
+    rel = {m: percent_column([r.metric(m) for r in records]) for m in ("rms_rel", "max_rel", "bias_rel")}
+    residual = percent_column([r.metric("residual_rms_rel") for r in records])
+    rows = [
+        [
+            r.name,
+            r.kind,
+            rel["rms_rel"][i],
+            rel["max_rel"][i],
+            rel["bias_rel"][i],
+            residual[i],
+            _plain(r.correlation, ".6f"),
+            _plain(r.slope, ".5f"),
+            _plain(r.sqnr_db, ".1f"),
+            str(r.nonfinite),
+        ]
+        for i, r in enumerate(records)
+    ]
+    return render(header, rows)
+
+
+def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
+    """The summary tables, then (with `full`) each variant's per-tensor table."""
+    reference = report.reference.variant.get("name", "fp32")
+    lines = [f"precision: {metric} against the {reference} reference on {report.device}, in execution order"]
+    for kind in SUMMARY_KINDS:
+        table = summary_table(report, kind, metric)
+        if table:
+            lines += ["", *table]
+    loss_rows = [
+        [v, *percent_column([report.get(v, "loss", "loss").metric(metric)])]
+        for v in report.variants
+        if any(r.kind == "loss" for r in report.records(v))
+    ]
+    if loss_rows:
+        lines += ["", *render(["loss", metric], loss_rows)]
+    if full:
+        for variant in report.variants:
+            lines += ["", f"{variant}: every tensor (mid = excluding first and last)", *tensor_table(report.records(variant))]
+            missing = report.missing.get(variant) or []
+            if missing:
+                lines.append("  missing in this variant: " + ", ".join(f"{n} ({k})" for n, k in missing))
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Variants: how a run's model is built and which numerics it runs with, and the built-ins by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+
+MatmulPrecision = Literal["highest", "high", "medium"]
+DTypeName = Literal["float64", "float32", "bfloat16", "float16"]
+
+_DTYPE_ALIASES: dict[str, DTypeName] = {
+    "fp64": "float64",
+    "float64": "float64",
+    "double": "float64",
+    "fp32": "float32",
+    "float32": "float32",
+    "float": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "half": "float16",
+}
+
+#: Regexes of the output head of common causal LMs (transformers' `lm_head`, GPT-2's `lm_head`, ...);
+#: `*_fp32_head` variants also match the module returned by `get_output_embeddings()`.
+HEAD_MODULE = "<output head>"
+
+
+def dtype_name(dtype: object) -> DTypeName:
+    """Normalise a dtype given as torch.dtype or string ("bf16", "torch.bfloat16", ...) to its long name."""
+    text = str(dtype).removeprefix("torch.")
+    try:
+        return _DTYPE_ALIASES[text]
+    except KeyError:
+        raise ConfigurationError(
+            f"unsupported dtype {dtype!r}: use one of float64, float32, bfloat16, float16"
+        ) from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch.dtype for a dtype name."""
+    import torch
+
+    return getattr(torch, dtype_name(name))  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the model, compared against the reference.
+
+    name: the label used in reports and baselines.
+    dtype: the dtype parameters are cast to (floating buffers keep theirs, as transformers does).
+    autocast: keep fp32 weights and run the forward under `torch.autocast(dtype=dtype)` instead of casting.
+    fp32_modules: full-match regexes of module names computed in fp32 at compute time (inputs and weights
+        upcast, autocast off inside); "<output head>" names the model's output embeddings, tied or not.
+    matmul_precision: fp32 matmul precision, "highest" (IEEE fp32), "high" (TF32) or "medium" (bf16).
+    backend: `torch.backends` flag paths to values, set only during this variant's run.
+    attn_implementation: "eager", "sdpa", ... for transformers models.
+    prepare: a callable `model -> model` applied last, for anything else.
+    """
+
+    name: str
+    dtype: DTypeName = "float32"
+    autocast: bool = False
+    fp32_modules: tuple[str, ...] = ()
+    matmul_precision: MatmulPrecision = "highest"
+    backend: Mapping[str, Any] = field(default_factory=dict)
+    attn_implementation: str | None = None
+    prepare: Callable[[Any], Any] | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
+        object.__setattr__(self, "backend", dict(self.backend))
+        if self.matmul_precision not in ("highest", "high", "medium"):
+            raise ConfigurationError(
+                f"variant {self.name!r}: matmul_precision={self.matmul_precision!r}; "
+                "use 'highest', 'high' or 'medium'"
+            )
+        if self.autocast and self.dtype not in ("bfloat16", "float16"):
+            raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.dtype, self.autocast, self.fp32_modules, self.matmul_precision))
+
+    @property
+    def compute_dtype(self) -> DTypeName:
+        """The dtype the bulk of the model computes in."""
+        return self.dtype
+
+    @property
+    def weight_dtype(self) -> DTypeName:
+        """The dtype parameters are stored in during the run."""
+        return "float32" if self.autocast else self.dtype
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready description (the `prepare` callable by its qualified name)."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "autocast": self.autocast,
+            "fp32_modules": list(self.fp32_modules),
+            "matmul_precision": self.matmul_precision,
+            "backend": {k: self.backend[k] for k in sorted(self.backend)},
+            "attn_implementation": self.attn_implementation,
+            "prepare": None if self.prepare is None else _qualified_name(self.prepare),
+        }
+
+
+def _qualified_name(function: Callable[..., Any]) -> str:
+    module = getattr(function, "__module__", None) or ""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"{module}.{name}" if module else name
+
+
+_REDUCED_REDUCTION = "cuda.matmul.allow_bf16_reduced_precision_reduction"
+
+BUILTIN_VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant("fp64", dtype="float64"),
+        Variant("fp32", dtype="float32"),
+        Variant("tf32", dtype="float32", matmul_precision="high"),
+        Variant("bf16", dtype="bfloat16"),
+        Variant("fp16", dtype="float16"),
+        Variant("bf16_autocast", dtype="bfloat16", autocast=True),
+        Variant("fp16_autocast", dtype="float16", autocast=True),
+        Variant("bf16_fp32_head", dtype="bfloat16", fp32_modules=(HEAD_MODULE,)),
+        Variant("fp16_fp32_head", dtype="float16", fp32_modules=(HEAD_MODULE,)),
+        Variant("bf16_reduced_reduction", dtype="bfloat16", backend={_REDUCED_REDUCTION: True}),
+    )
+}
+
+_VARIANT_FIELDS = frozenset(f.name for f in dataclasses.fields(Variant))
+
+
+def resolve_variant(spec: str | Variant | Mapping[str, Any], *, argument: str = "variants") -> Variant:
+    """A Variant from a built-in name, a Variant, or a dict of Variant fields."""
+    if isinstance(spec, Variant):
+        return spec
+    if isinstance(spec, str):
+        try:
+            return BUILTIN_VARIANTS[spec]
+        except KeyError:
+            raise ConfigurationError(
+                f"{argument}: unknown variant {spec!r}. Built-in variants: {', '.join(BUILTIN_VARIANTS)}; "
+                "or pass pytest_precision.Variant(name=..., dtype=..., ...)"
+            ) from None
+    if isinstance(spec, Mapping):
+        unknown = sorted(set(spec) - _VARIANT_FIELDS)
+        if unknown:
+            raise ConfigurationError(
+                f"{argument}: unknown Variant field(s) {', '.join(unknown)}; "
+                f"valid fields: {', '.join(sorted(_VARIANT_FIELDS))}"
+            )
+        if "name" not in spec:
+            raise ConfigurationError(f"{argument}: a variant given as a dict needs a 'name'")
+        return Variant(**spec)
+    raise ConfigurationError(
+        f"{argument}: expected a variant name, a Variant or a dict, got {type(spec).__name__}"
+    )
+
+
+def resolve_variants(specs: object) -> list[Variant]:
+    """Resolve the `variants=` argument: one spec or a sequence of them, names unique."""
+    if isinstance(specs, (str, Variant, Mapping)):
+        specs = [specs]
+    if not isinstance(specs, (list, tuple)) or not specs:
+        raise ConfigurationError("variants: give a non-empty list, e.g. variants=['bf16', 'fp16']")
+    variants = [resolve_variant(spec) for spec in specs]
+    names = [v.name for v in variants]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigurationError(f"variants: duplicate name(s) {', '.join(duplicates)}")
+    return variants
+
+
+def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
+    """The reference run: "fp32" (IEEE fp32 matmuls, TF32 off) by default, or "fp64"."""
+    reference = resolve_variant(spec, argument="reference")
+    if reference.dtype not in ("float32", "float64") or reference.autocast:
+        raise ConfigurationError(
+            f"reference: {reference.name!r} computes in {reference.dtype}; the reference must be "
+            "'fp32' or 'fp64'"
+        )
+    return reference
