@@ -8,6 +8,7 @@ LM head, held against the baselines committed under baselines/examples/.
 from __future__ import annotations
 
 import pytest
+
 from conftest import load_tiny_llama, random_tokens
 
 

@@ -34,7 +34,21 @@ _EXPORTS = {
     "Variant": "variants",
 }
 
-__all__ = [*sorted(_EXPORTS), "__version__"]
+__all__ = [
+    "BUILTIN_VARIANTS",
+    "BaselineError",
+    "ConfigurationError",
+    "ModelRunError",
+    "PrecisionError",
+    "PrecisionReport",
+    "Record",
+    "TensorError",
+    "Variant",
+    "__version__",
+    "assert_precision_within",
+    "compare",
+    "tensor_error",
+]
 
 
 def __getattr__(name: str) -> Any:

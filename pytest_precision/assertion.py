@@ -43,5 +43,12 @@ def assert_precision_within(
             "plugin active (or use the assert_precision_within fixture)"
         )
     item.config.stash[SESSION_KEY].check(
-        item, report, baseline=baseline, rtol=rtol, atol=atol, metrics=metrics, tolerances=tolerances, limits=limits
+        item,
+        report,
+        baseline=baseline,
+        rtol=rtol,
+        atol=atol,
+        metrics=metrics,
+        tolerances=tolerances,
+        limits=limits,
     )

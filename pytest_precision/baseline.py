@@ -72,7 +72,7 @@ def payload(report: PrecisionReport, test_id: str) -> dict[str, Any]:
             "records": [report_record(r) for r in report.records(name)],
         }
     reference = report.reference.to_dict()
-    return _rounded(
+    rounded: dict[str, Any] = _rounded(
         {
             "schema_version": SCHEMA_VERSION,
             "test": test_id,
@@ -82,6 +82,7 @@ def payload(report: PrecisionReport, test_id: str) -> dict[str, Any]:
             "variants": variants,
         }
     )
+    return rounded
 
 
 def report_record(record: Record) -> dict[str, Any]:
@@ -202,4 +203,4 @@ def numbers_unchanged(path: Path, new: dict[str, Any]) -> bool:
     if not isinstance(old, dict):
         return False
     strip = {k: v for k, v in new.items() if k != "environment"}
-    return {k: v for k, v in old.items() if k != "environment"} == json.loads(json.dumps(strip))
+    return bool({k: v for k, v in old.items() if k != "environment"} == json.loads(json.dumps(strip)))

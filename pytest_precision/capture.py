@@ -41,7 +41,7 @@ def _name_of(model: nn.Module, target: object) -> str | None:
         return None
     for name, module in model.named_modules():
         if module is target and name:
-            return name
+            return str(name)
     return None
 
 
@@ -162,7 +162,7 @@ def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backwa
             tensor = _first_grad_input(args, kwargs)
             if tensor is not None:
                 row = label(name)
-                handles.append(tensor.register_hook(lambda grad: sink(row, "bw", grad)))
+                handles.append(tensor.register_hook(lambda grad: sink(row, "bw", grad)))  # type: ignore[no-untyped-call]
 
         def after(_module: nn.Module, _args: Any, output: Any) -> None:
             tensor = first_floating_tensor(output)
@@ -180,8 +180,8 @@ def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backwa
             for param_name, parameter in model.named_parameters():
                 if parameter.requires_grad:
                     handles.append(
-                        parameter.register_post_accumulate_grad_hook(
-                            lambda p, n=param_name: sink(n, "grad", p.grad)  # type: ignore[misc]
+                        parameter.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            lambda p, n=param_name: sink(n, "grad", p.grad)
                         )
                     )
         yield

@@ -59,6 +59,7 @@ def preserved_rng(device: torch.device) -> Iterator[None]:
 def _loss_of(output: Any, inputs: Any, loss_fn: LossFn | None, variant: str) -> torch.Tensor | None:
     import torch
 
+    loss: Any
     if loss_fn is not None:
         loss = loss_fn(output, inputs)
     else:
@@ -68,8 +69,7 @@ def _loss_of(output: Any, inputs: Any, loss_fn: LossFn | None, variant: str) -> 
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ConfigurationError(
-            f"run {variant!r}: the loss must be a scalar tensor, got {shape}; reduce it in loss_fn "
-            "(e.g. .mean())"
+            f"run {variant!r}: the loss must be a scalar tensor, got {shape}; reduce it in loss_fn (e.g. .mean())"
         )
     return loss.reshape(())
 
@@ -139,7 +139,7 @@ class _Runner:
                             f"run {variant.name!r}: the loss does not require grad (no parameter requires "
                             "grad?); pass backward=False to compare forward tensors only"
                         )
-                    loss.backward()
+                    loss.backward()  # type: ignore[no-untyped-call]
             info = RunInfo(
                 variant=variant.to_dict(),
                 parameter_dtypes=_dtype_counts(model.parameters()),
@@ -153,6 +153,30 @@ class _Runner:
 
     def masked(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor
+
+
+def _measure_variant(
+    runner: _Runner, variant: Variant, stored: Mapping[TensorKey, torch.Tensor]
+) -> tuple[RunInfo, list[Record]]:
+    """Run `variant`, comparing each tensor to the reference as soon as it is produced (none is kept)."""
+    records: list[Record] = []
+
+    def measure(name: str, kind: str, tensor: torch.Tensor) -> None:
+        expected = stored.get((name, kind))
+        if expected is None:
+            raise ModelRunError(
+                f"run {variant.name!r} produced {kind} tensor {name!r} that the reference run did "
+                "not: the variant changed the model's structure"
+            )
+        if tuple(tensor.shape) != tuple(expected.shape):
+            raise ModelRunError(
+                f"run {variant.name!r}: {kind} tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the reference's is {tuple(expected.shape)}"
+            )
+        error = tensor_error(runner.masked(kind, expected), runner.masked(kind, tensor.detach()))
+        records.append(Record.from_error(name, kind, tuple(tensor.shape), error))
+
+    return runner.run(variant, measure), records
 
 
 def compare(
@@ -194,24 +218,7 @@ def compare(
 
         report = PrecisionReport(reference=runner.run(reference_variant, keep), device=str(run_device))
         for variant in variant_list:
-            records: list[Record] = []
-
-            def measure(name: str, kind: str, tensor: torch.Tensor, variant: Variant = variant) -> None:
-                expected = stored.get((name, kind))
-                if expected is None:
-                    raise ModelRunError(
-                        f"run {variant.name!r} produced {kind} tensor {name!r} that the reference run did "
-                        "not: the variant changed the model's structure"
-                    )
-                if tuple(tensor.shape) != tuple(expected.shape):
-                    raise ModelRunError(
-                        f"run {variant.name!r}: {kind} tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"the reference's is {tuple(expected.shape)}"
-                    )
-                error = tensor_error(runner.masked(kind, expected), runner.masked(kind, tensor.detach()))
-                records.append(Record.from_error(name, kind, tuple(tensor.shape), error))
-
-            info = runner.run(variant, measure)
+            info, records = _measure_variant(runner, variant, stored)
             seen = {(r.name, r.kind) for r in records}
             report.add(variant.name, info, records, [key for key in stored if key not in seen])
         stored.clear()

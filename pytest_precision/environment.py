@@ -17,7 +17,7 @@ def package_version(name: str) -> str | None:
 
 
 def device_name(device: str) -> str:
-    """"cpu: <processor>" or the CUDA device's name."""
+    """ "cpu: <processor>" or the CUDA device's name."""
     import torch
 
     if device.startswith("cuda"):

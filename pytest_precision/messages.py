@@ -65,10 +65,18 @@ def violation_table(violations: Sequence[Violation]) -> list[str]:
             rows.append([v.variant, v.name, v.kind, v.metric, "(limit)", _number(v.obtained), "", _number(v.allowed)])
         else:
             rows.append(
-                [v.variant, v.name, v.kind, v.metric, _number(v.expected), _number(v.obtained), _ratio(v),
-                 _number(v.allowed)]
+                [
+                    v.variant,
+                    v.name,
+                    v.kind,
+                    v.metric,
+                    _number(v.expected),
+                    _number(v.obtained),
+                    _ratio(v),
+                    _number(v.allowed),
+                ]
             )
-    lines = render(header, rows)
+    lines = render(header, rows, left=4)
     if len(violations) > MAX_ROWS:
         lines.append(f"  ... {len(violations) - MAX_ROWS} more")
     return lines
@@ -96,15 +104,21 @@ def regression_message(
             "non-finite values (NaN/Inf) where the baseline had none: "
             + ", ".join(f"{v.variant} {v.name} ({v.kind})" for v in nonfinite[:5])
         )
-    lines += [*violation_table(ordered), f"Baseline: {path}", f"If the change is intended, refresh it: {refresh_command(nodeid)}"]
+    lines += [
+        *violation_table(ordered),
+        f"Baseline: {path}",
+        f"If the change is intended, refresh it: {refresh_command(nodeid)}",
+    ]
     return "\n".join(lines)
 
 
 def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> str:
     ordered = execution_order(violations, order)
     return "\n".join(
-        [f"precision limits exceeded by {len(ordered)} tensor metric(s) (limits hold without a baseline)",
-         *violation_table(ordered)]
+        [
+            f"precision limits exceeded by {len(ordered)} tensor metric(s) (limits hold without a baseline)",
+            *violation_table(ordered),
+        ]
     )
 
 

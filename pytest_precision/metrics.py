@@ -90,7 +90,7 @@ def metrics_from_sums(
 ) -> TensorError:
     """Build every metric from the fused sums over x and d = y - x (n elements, all finite)."""
     if n == 0:
-        return TensorError(0, *([None] * 12), nonfinite=nonfinite)  # type: ignore[arg-type]
+        return TensorError(0, None, None, None, None, None, None, None, None, None, None, None, None, nonfinite)
     ref_rms = math.sqrt(sxx / n)
     rms_abs = math.sqrt(sdd / n)
     bias_abs = sd / n

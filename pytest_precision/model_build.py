@@ -94,7 +94,7 @@ def head_module_name(model: nn.Module) -> str:
     if head is not None:
         for name, module in model.named_modules():
             if module is head:
-                return name
+                return str(name)
     raise ConfigurationError(
         f"fp32_modules: '{HEAD_MODULE}' needs a model with get_output_embeddings() (a transformers LM); "
         f"{type(model).__name__} has none: name the head module by regex instead, e.g. fp32_modules=('lm_head',)"
@@ -113,7 +113,7 @@ def _parameters_in_fp32(module: nn.Module) -> Iterator[None]:
                 for name, tensor in list(store.items()):
                     if tensor is not None and tensor.is_floating_point() and tensor.dtype != torch.float32:
                         swapped.append((store, name, tensor))
-                        store[name] = tensor.float()
+                        store[name] = tensor.float()  # type: ignore[assignment]
         yield
     finally:
         for store, name, tensor in reversed(swapped):
@@ -185,9 +185,7 @@ def set_attn_implementation(model: nn.Module, implementation: str) -> None:
     config._attn_implementation = implementation
 
 
-def build_run_model(
-    source: nn.Module | ModelFactory, variant: Variant, device: torch.device
-) -> nn.Module:
+def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: torch.device) -> nn.Module:
     """The model one run uses: a copy (or a factory product) cast and prepared for `variant`."""
     from torch import nn
 
@@ -209,8 +207,11 @@ def build_run_model(
     # transformers checkpoints only in training mode, but switch it off so no run recomputes activations.
     if getattr(model, "supports_gradient_checkpointing", False):
         # transformers 5 renamed gradient_checkpointing_disable (which now warns) to activation_...
-        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        disable()
+        disable = getattr(model, "activation_checkpointing_disable", None) or getattr(
+            model, "gradient_checkpointing_disable", None
+        )
+        if callable(disable):
+            disable()
     model.eval()
     if variant.attn_implementation is not None:
         set_attn_implementation(model, variant.attn_implementation)

@@ -153,7 +153,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 
 @pytest.fixture
 def precision_device(request: pytest.FixtureRequest) -> str:
-    """"cpu", or "cuda" with --precision-gpu."""
+    """ "cpu", or "cuda" with --precision-gpu."""
     return request.config.stash[SESSION_KEY].device
 
 

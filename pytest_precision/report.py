@@ -41,7 +41,7 @@ class Record(TensorError):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Record:
-        values = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
         values["shape"] = tuple(data.get("shape") or ())
         values["count"] = int(data.get("count") or 0)
         values["nonfinite"] = int(data.get("nonfinite") or 0)
@@ -64,7 +64,8 @@ class RunInfo:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunInfo:
-        return cls(**{f.name: data.get(f.name) for f in dataclasses.fields(cls)})
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)
 
 
 @dataclass

@@ -97,7 +97,13 @@ class PrecisionSession:
         from . import baseline as baselines
         from . import messages
         from .environment import device_key, environment
-        from .tolerance import DEFAULT_METRICS, Tolerance, ToleranceRules, check_against_baseline, check_limits
+        from .tolerance import (
+            DEFAULT_METRICS,
+            Tolerance,
+            ToleranceRules,
+            check_against_baseline,
+            check_limits,
+        )
 
         try:
             stem = baseline or baselines.baseline_stem(item.nodeid)
@@ -110,16 +116,20 @@ class PrecisionSession:
             used.add(stem)
             path = baselines.baseline_path(self.baseline_dir, self._test_file(item), stem, device_key(report.device))
             rules = ToleranceRules(
-                base=self._base_tolerance(item, Tolerance), rtol=rtol, atol=atol, per_tensor=dict(tolerances or {})
+                base=self._base_tolerance(item, Tolerance),
+                rtol=rtol,
+                atol=atol,
+                per_tensor=dict(tolerances or {}),
             )
             obtained = {v: report.records(v) for v in report.variants}
-            order = {
-                (variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)
-            }
+            order = {(variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)}
             limit_violations = check_limits(obtained, limits or {})
             hint = messages.refresh_command(item.nodeid)
             if self.update:
-                self._write(path, baselines.document(report, item.nodeid, environment(report.device, self._flags(report))))
+                self._write(
+                    path,
+                    baselines.document(report, item.nodeid, environment(report.device, self._flags(report))),
+                )
             else:
                 if not path.exists():
                     self.outcomes["missing"] += 1

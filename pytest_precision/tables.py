@@ -46,13 +46,13 @@ def _plain(value: float | None, spec: str) -> str:
     return format(value, spec)
 
 
-def render(header: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "  ") -> list[str]:
-    """Columns left-aligned for the first, right-aligned for the rest, one space-separated line each."""
-    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows)]
+def render(header: Sequence[str], rows: Sequence[Sequence[str]], *, indent: str = "  ", left: int = 1) -> list[str]:
+    """The first `left` columns (names) left-aligned, numbers right-aligned, one line per row."""
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
 
     def line(cells: Sequence[str]) -> str:
         parts = [
-            str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))
+            str(c).ljust(w) if i < left else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ]
         return (indent + "  ".join(parts)).rstrip()
 
@@ -75,8 +75,8 @@ def summary_table(report: PrecisionReport, kind: str, metric: str = "rms_rel") -
     results = [propagation(report.records(v, kind), metric) for v in report.variants]
     if not any(report.records(v, kind) for v in report.variants):
         return []
-    first, last = next(names for (_, names), v in zip(results, report.variants) if report.records(v, kind))
-    columns = list(zip(*(values for values, _ in results)))
+    first, last = next(names for (_, names), v in zip(results, report.variants, strict=True) if report.records(v, kind))
+    columns = list(zip(*(values for values, _ in results), strict=True))
     formatted = [percent_column(list(column)) for column in columns]
     header = [kind, f"first ({first})", "mid median", "mid max", f"last ({last})"]
     rows = [[variant, *(column[i] for column in formatted)] for i, variant in enumerate(report.variants)]
@@ -85,7 +85,18 @@ def summary_table(report: PrecisionReport, kind: str, metric: str = "rms_rel") -
 
 def tensor_table(records: Sequence[Record]) -> list[str]:
     """Every record of one variant, grouped by kind, with the main metrics."""
-    header = ["tensor", "kind", "rms_rel", "max_rel", "bias_rel", "resid_rel", "corr", "slope", "sqnr_dB", "nonfin"]
+    header = [
+        "tensor",
+        "kind",
+        "rms_rel",
+        "max_rel",
+        "bias_rel",
+        "resid_rel",
+        "corr",
+        "slope",
+        "sqnr_dB",
+        "nonfin",
+    ]
     rel = {m: percent_column([r.metric(m) for r in records]) for m in ("rms_rel", "max_rel", "bias_rel")}
     residual = percent_column([r.metric("residual_rms_rel") for r in records])
     rows = [
@@ -103,7 +114,7 @@ def tensor_table(records: Sequence[Record]) -> list[str]:
         ]
         for i, r in enumerate(records)
     ]
-    return render(header, rows)
+    return render(header, rows, left=2)
 
 
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
@@ -123,7 +134,11 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         lines += ["", *render(["loss", metric], loss_rows)]
     if full:
         for variant in report.variants:
-            lines += ["", f"{variant}: every tensor (mid = excluding first and last)", *tensor_table(report.records(variant))]
+            lines += [
+                "",
+                f"{variant}: every tensor (mid = excluding first and last)",
+                *tensor_table(report.records(variant)),
+            ]
             missing = report.missing.get(variant) or []
             if missing:
                 lines.append("  missing in this variant: " + ", ".join(f"{n} ({k})" for n, k in missing))

@@ -133,7 +133,8 @@ class ToleranceRules:
                 atol = values.get("atol", atol)
                 break
         return Tolerance(
-            rtol=self.rtol if self.rtol is not None else rtol, atol=self.atol if self.atol is not None else atol
+            rtol=self.rtol if self.rtol is not None else rtol,
+            atol=self.atol if self.atol is not None else atol,
         )
 
 
@@ -173,8 +174,16 @@ def check_against_baseline(
             gated += 1
             if record.nonfinite > before.nonfinite:
                 violations.append(
-                    Violation(variant, record.name, record.kind, "nonfinite", "nonfinite",
-                              before.nonfinite, record.nonfinite, before.nonfinite)
+                    Violation(
+                        variant,
+                        record.name,
+                        record.kind,
+                        "nonfinite",
+                        "nonfinite",
+                        before.nonfinite,
+                        record.nonfinite,
+                        before.nonfinite,
+                    )
                 )
             tolerance = rules.for_tensor(record.name, record.kind)
             for metric in gated_metrics:
@@ -185,8 +194,16 @@ def check_against_baseline(
                     continue
                 if is_worse(metric, old, new, tolerance):
                     violations.append(
-                        Violation(variant, record.name, record.kind, "regressed", metric, old, new,
-                                  allowed_value(metric, old, tolerance))
+                        Violation(
+                            variant,
+                            record.name,
+                            record.kind,
+                            "regressed",
+                            metric,
+                            old,
+                            new,
+                            allowed_value(metric, old, tolerance),
+                        )
                     )
         violations += [
             Violation(variant, name, kind, "missing") for (name, kind) in baseline_rows if (name, kind) not in seen

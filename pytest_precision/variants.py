@@ -82,8 +82,7 @@ class Variant:
         object.__setattr__(self, "backend", dict(self.backend))
         if self.matmul_precision not in ("highest", "high", "medium"):
             raise ConfigurationError(
-                f"variant {self.name!r}: matmul_precision={self.matmul_precision!r}; "
-                "use 'highest', 'high' or 'medium'"
+                f"variant {self.name!r}: matmul_precision={self.matmul_precision!r}; use 'highest', 'high' or 'medium'"
             )
         if self.autocast and self.dtype not in ("bfloat16", "float16"):
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
@@ -164,9 +163,7 @@ def resolve_variant(spec: str | Variant | Mapping[str, Any], *, argument: str = 
         if "name" not in spec:
             raise ConfigurationError(f"{argument}: a variant given as a dict needs a 'name'")
         return Variant(**spec)
-    raise ConfigurationError(
-        f"{argument}: expected a variant name, a Variant or a dict, got {type(spec).__name__}"
-    )
+    raise ConfigurationError(f"{argument}: expected a variant name, a Variant or a dict, got {type(spec).__name__}")
 
 
 def resolve_variants(specs: object) -> list[Variant]:
@@ -188,7 +185,6 @@ def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
     reference = resolve_variant(spec, argument="reference")
     if reference.dtype not in ("float32", "float64") or reference.autocast:
         raise ConfigurationError(
-            f"reference: {reference.name!r} computes in {reference.dtype}; the reference must be "
-            "'fp32' or 'fp64'"
+            f"reference: {reference.name!r} computes in {reference.dtype}; the reference must be 'fp32' or 'fp64'"
         )
     return reference
