@@ -7,6 +7,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from .report import Record
 from .tables import render
 from .tolerance import Violation
 
@@ -118,6 +119,23 @@ def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, s
         [
             f"precision limits exceeded by {len(ordered)} tensor metric(s) (limits hold without a baseline)",
             *violation_table(ordered),
+        ]
+    )
+
+
+def nonfinite_message(rows: Sequence[tuple[str, Record]], path: Path) -> str:
+    """Refusal to write a baseline holding NaN/Inf: that would make a broken variant the expectation."""
+    shown = [
+        f"  {variant}  {r.name} ({r.kind}): {r.nonfinite} of {math.prod(r.shape)} values" for variant, r in rows
+    ]
+    if len(shown) > MAX_ROWS:
+        shown = [*shown[:MAX_ROWS], f"  ... {len(shown) - MAX_ROWS} more"]
+    return "\n".join(
+        [
+            f"not writing {path}: {len(rows)} tensor(s) hold NaN/Inf where the reference is finite "
+            "(first in execution order first):",
+            *shown,
+            "Fix the variant (fp16 overflow? missing loss scaling?) or leave it out of variants=, then update again.",
         ]
     )
 

@@ -74,8 +74,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
     if config.getoption("precision_gpu") is None:
         config.option.precision_gpu = bool(config.getini("precision_gpu"))
-    if config.getoption("update_baselines") and getattr(config.option, "precision_strict", False):
-        raise pytest.UsageError("--update-baselines and --precision-strict contradict each other: use one")
     if config.getoption("precision_gpu"):
         import torch
 

@@ -126,6 +126,10 @@ class PrecisionSession:
             limit_violations = check_limits(obtained, limits or {})
             hint = messages.refresh_command(item.nodeid)
             if self.update:
+                nonfinite = [(v, r) for v, rows in obtained.items() for r in rows if r.nonfinite]
+                if nonfinite:
+                    self.outcomes["failed"] += 1
+                    pytest.fail(messages.nonfinite_message(nonfinite, self._shown(path)), pytrace=False)
                 self._write(
                     path,
                     baselines.document(report, item.nodeid, environment(report.device, self._flags(report))),
