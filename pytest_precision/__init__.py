@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .assertion import assert_precision_within
-    from .compare import compare
+    from .comparison import compare
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
     from .report import PrecisionReport, Record
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "assert_precision_within": "assertion",
-    "compare": "compare",
+    "compare": "comparison",
     "BaselineError": "errors",
     "ConfigurationError": "errors",
     "ModelRunError": "errors",

@@ -136,35 +136,39 @@ class Baseline:
         return {k: v for k, v in self.data.items() if k != "environment"}
 
 
-def load_baseline(path: Path, refresh_hint: str) -> Baseline:
-    """Read and validate a baseline; every problem is a BaselineError naming the file and the fix."""
+def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -> Baseline:
+    """Read and validate a baseline; every problem is a BaselineError naming the file and the fix.
+
+    `shown` is the path as the user should read it (relative to where pytest runs).
+    """
     fix = f"Re-create it with: {refresh_hint}"
+    name = shown or path
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as error:
-        raise BaselineError(f"cannot read precision baseline {path}: {error}") from None
+        raise BaselineError(f"cannot read precision baseline {name}: {error}") from None
     if not text.strip():
-        raise BaselineError(f"precision baseline {path} is empty. {fix}")
+        raise BaselineError(f"precision baseline {name} is empty. {fix}")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise BaselineError(
-            f"precision baseline {path} is not valid JSON (line {error.lineno}, column {error.colno}: "
+            f"precision baseline {name} is not valid JSON (line {error.lineno}, column {error.colno}: "
             f"{error.msg}); it may be truncated or have a merge conflict. {fix}"
         ) from None
     if not isinstance(data, dict):
-        raise BaselineError(f"precision baseline {path} holds a JSON {type(data).__name__}, not an object. {fix}")
+        raise BaselineError(f"precision baseline {name} holds a JSON {type(data).__name__}, not an object. {fix}")
     version = data.get("schema_version")
     if version != SCHEMA_VERSION:
         raise BaselineError(
-            f"precision baseline {path} has schema_version {version!r}; this pytest-precision reads "
+            f"precision baseline {name} has schema_version {version!r}; this pytest-precision reads "
             f"version {SCHEMA_VERSION}. {fix}"
         )
     variants = data.get("variants")
     if not isinstance(variants, dict) or not all(
         isinstance(v, dict) and isinstance(v.get("records"), list) for v in variants.values()
     ):
-        raise BaselineError(f"precision baseline {path} has no valid 'variants' block. {fix}")
+        raise BaselineError(f"precision baseline {name} has no valid 'variants' block. {fix}")
     return Baseline(path, data)
 
 

@@ -27,9 +27,11 @@ class Batch:
 
         def move(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                if value.is_floating_point() and float_dtype is not None:
-                    return value.to(device=device, dtype=float_dtype)
-                return value.to(device)
+                # Detached, so the caller's tensor never receives a .grad; a new leaf that still requires
+                # grad when the caller's did, so the first module's input gradient is still captured.
+                wanted = float_dtype if value.is_floating_point() and float_dtype is not None else value.dtype
+                moved = value.detach().to(device=device, dtype=wanted)
+                return moved.requires_grad_(value.requires_grad and moved.is_floating_point())
             if isinstance(value, (tuple, list)):
                 return type(value)(move(v) for v in value)
             if isinstance(value, dict):

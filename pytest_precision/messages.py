@@ -95,10 +95,15 @@ def regression_message(
     variants = {v.variant for v in ordered}
     percent = 100.0 * len(tensors) / gated if gated else 100.0
     first = ordered[0]
+    if first.name == "*":
+        state = "new (not in the baseline)" if first.reason == "new" else "missing from this run"
+        where = f"variant {first.variant} is {state}"
+    else:
+        where = f"{first.variant} {first.name} ({first.kind})"
     nonfinite = [v for v in ordered if v.reason == "nonfinite"]
     lines = [
         f"precision regressed: {len(tensors)} / {gated} tensors ({percent:.1f}%) in {len(variants)} variant(s); "
-        f"first: {first.variant} {first.name} ({first.kind})",
+        f"first: {where}",
     ]
     if nonfinite:
         lines.append(
@@ -125,9 +130,7 @@ def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, s
 
 def nonfinite_message(rows: Sequence[tuple[str, Record]], path: Path) -> str:
     """Refusal to write a baseline holding NaN/Inf: that would make a broken variant the expectation."""
-    shown = [
-        f"  {variant}  {r.name} ({r.kind}): {r.nonfinite} of {math.prod(r.shape)} values" for variant, r in rows
-    ]
+    shown = [f"  {variant}  {r.name} ({r.kind}): {r.nonfinite} of {math.prod(r.shape)} values" for variant, r in rows]
     if len(shown) > MAX_ROWS:
         shown = [*shown[:MAX_ROWS], f"  ... {len(shown) - MAX_ROWS} more"]
     return "\n".join(

@@ -86,20 +86,34 @@ def _ratio(numerator: float, denominator: float) -> float | None:
 
 
 def metrics_from_sums(
-    n: int, sx: float, sd: float, sxx: float, sdd: float, sxd: float, max_abs: float, nonfinite: int
+    n: int,
+    sx: float,
+    sd: float,
+    sxx: float,
+    sdd: float,
+    sxd: float,
+    max_abs: float,
+    nonfinite: int,
+    *,
+    x_constant: bool = False,
+    y_constant: bool = False,
 ) -> TensorError:
-    """Build every metric from the fused sums over x and d = y - x (n elements, all finite)."""
+    """Build every metric from the fused sums over x and d = y - x (n elements, all finite).
+
+    `x_constant` / `y_constant` say a side holds one value: its variance is then exactly zero, which
+    sxx/n - mean^2 does not give for constants like 0.1 that binary floating point cannot hold.
+    """
     if n == 0:
         return TensorError(0, None, None, None, None, None, None, None, None, None, None, None, None, nonfinite)
     ref_rms = math.sqrt(sxx / n)
     rms_abs = math.sqrt(sdd / n)
     bias_abs = sd / n
     mean_x = sx / n
-    var_x = max(sxx / n - mean_x * mean_x, 0.0)
+    var_x = 0.0 if x_constant else max(sxx / n - mean_x * mean_x, 0.0)
     var_d = max(sdd / n - bias_abs * bias_abs, 0.0)
     cov_xd = sxd / n - mean_x * bias_abs
     cov_xy = var_x + cov_xd
-    var_y = max(var_x + 2.0 * cov_xd + var_d, 0.0)
+    var_y = 0.0 if y_constant else max(var_x + 2.0 * cov_xd + var_d, 0.0)
     syy = sxx + 2.0 * sxd + sdd
     slope = None if var_x == 0 else 1.0 + cov_xd / var_x
     # var_y - cov_xy^2 / var_x, rewritten in terms of d so that it does not cancel.
@@ -146,8 +160,11 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
         raise ValueError(f"shape mismatch: reference {tuple(reference.shape)} vs variant {tuple(variant.shape)}")
     x_all = reference.detach().reshape(-1)
     y_all = variant.detach().reshape(-1).to(x_all.device)
-    # [n, sx, sd, sxx, sdd, sxd, max|d|, nonfinite] accumulated on the device; one host copy at the end.
-    totals = torch.zeros(8, dtype=torch.float64, device=x_all.device)
+    # [n, sx, sd, sxx, sdd, sxd, max|d|, nonfinite, min x, max x, min y, max y] accumulated on the device;
+    # one host copy at the end. The extremes (over compared elements) detect a constant side exactly.
+    totals = torch.zeros(12, dtype=torch.float64, device=x_all.device)
+    totals[8::2] = math.inf
+    totals[9::2] = -math.inf
     for start in range(0, x_all.numel(), _CHUNK_ELEMENTS):
         x = x_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
         y = y_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
@@ -156,6 +173,14 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
         both = x_finite & y_finite
         d = torch.where(both, y - x, 0.0)
         x = torch.where(both, x, 0.0)
+        y = torch.where(both, y, 0.0)
+        any_compared = d.numel() > 0  # all-excluded chunks give +-inf extremes, which merge harmlessly
+        extremes = [
+            torch.where(both, x, math.inf).min() if any_compared else d.new_full((), math.inf),
+            torch.where(both, x, -math.inf).max() if any_compared else d.new_full((), -math.inf),
+            torch.where(both, y, math.inf).min() if any_compared else d.new_full((), math.inf),
+            torch.where(both, y, -math.inf).max() if any_compared else d.new_full((), -math.inf),
+        ]
         chunk = torch.stack(
             [
                 both.sum(dtype=torch.float64),
@@ -166,10 +191,15 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
                 (x * d).sum(),
                 d.abs().max() if d.numel() else d.new_zeros(()),
                 (x_finite & ~y_finite).sum(dtype=torch.float64),
+                *extremes,
             ]
         )
         totals[:6] += chunk[:6]
         totals[6] = torch.maximum(totals[6], chunk[6])
         totals[7] += chunk[7]
-    n, sx, sd, sxx, sdd, sxd, max_abs, nonfinite = totals.tolist()
-    return metrics_from_sums(int(n), sx, sd, sxx, sdd, sxd, max_abs, int(nonfinite))
+        totals[8::2] = torch.minimum(totals[8::2], chunk[8::2])
+        totals[9::2] = torch.maximum(totals[9::2], chunk[9::2])
+    n, sx, sd, sxx, sdd, sxd, max_abs, nonfinite, x_min, x_max, y_min, y_max = totals.tolist()
+    return metrics_from_sums(
+        int(n), sx, sd, sxx, sdd, sxd, max_abs, int(nonfinite), x_constant=x_min == x_max, y_constant=y_min == y_max
+    )

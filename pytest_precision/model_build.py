@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, ModelRunError
 from .variants import HEAD_MODULE, Variant, torch_dtype
 
 if TYPE_CHECKING:
@@ -220,7 +220,10 @@ def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: 
     for name in fp32_names:
         compute_in_fp32(modules[name], device.type, keep_output_fp32=name == head)
     if variant.prepare is not None:
-        prepared = variant.prepare(model)
+        try:
+            prepared = variant.prepare(model)
+        except Exception as error:
+            raise ModelRunError(f"variant {variant.name!r}: prepare raised {type(error).__name__}: {error}") from error
         if not isinstance(prepared, nn.Module):
             raise ConfigurationError(
                 f"variant {variant.name!r}: prepare returned {type(prepared).__name__}; it must return the model"

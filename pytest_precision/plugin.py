@@ -149,6 +149,21 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(line)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    precision_session = session.config.stash.get(SESSION_KEY, None)
+    if workeroutput is not None and precision_session is not None:
+        # An xdist worker: the controller prints the summary, so hand it this worker's counts.
+        workeroutput["precision_outcomes"] = dict(precision_session.outcomes)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    outcomes = getattr(node, "workeroutput", {}).get("precision_outcomes")
+    if outcomes:
+        node.config.stash[SESSION_KEY].outcomes.update(outcomes)
+
+
 @pytest.fixture
 def precision_device(request: pytest.FixtureRequest) -> str:
     """ "cpu", or "cuda" with --precision-gpu."""

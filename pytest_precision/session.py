@@ -60,6 +60,7 @@ class PrecisionSession:
     rtol: float | None
     atol: float | None
     outcomes: Counter[str] = field(default_factory=Counter)
+    path_owners: dict[Path, str] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> PrecisionSession:
@@ -94,6 +95,27 @@ class PrecisionSession:
     ) -> None:
         """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits."""
         __tracebackhide__ = True
+        try:
+            outcome, message = self._gate(item, report, baseline, rtol, atol, metrics, tolerances, limits)
+        except PrecisionError as error:
+            outcome, message = "failed", f"{type(error).__name__}: {error}"
+        self.outcomes[outcome] += 1
+        # Failed outside the except block, so the message is not chained to the error and shows once.
+        if message is not None:
+            pytest.fail(message, pytrace=False)
+
+    def _gate(
+        self,
+        item: pytest.Item,
+        report: PrecisionReport,
+        baseline: str | None,
+        rtol: float | None,
+        atol: float | None,
+        metrics: Iterable[str] | None,
+        tolerances: Mapping[str, Mapping[str, float]] | None,
+        limits: Mapping[str, Mapping[str, float]] | None,
+    ) -> tuple[str, str | None]:
+        """(outcome, failure message or None) of one check."""
         from . import baseline as baselines
         from . import messages
         from .environment import device_key, environment
@@ -103,65 +125,70 @@ class PrecisionSession:
             ToleranceRules,
             check_against_baseline,
             check_limits,
+            validated_metrics,
         )
 
-        try:
-            stem = baseline or baselines.baseline_stem(item.nodeid)
-            used = item.stash.setdefault(STEMS_KEY, set())
-            if stem in used:
-                raise ConfigurationError(
-                    f"assert_precision_within called twice in {item.nodeid} with baseline stem {stem!r}; give each "
-                    "call its own baseline='...'"
-                )
-            used.add(stem)
-            path = baselines.baseline_path(self.baseline_dir, self._test_file(item), stem, device_key(report.device))
-            rules = ToleranceRules(
-                base=self._base_tolerance(item, Tolerance),
-                rtol=rtol,
-                atol=atol,
-                per_tensor=dict(tolerances or {}),
+        stem = baseline or baselines.baseline_stem(item.nodeid)
+        used = item.stash.setdefault(STEMS_KEY, set())
+        if stem in used:
+            raise ConfigurationError(
+                f"assert_precision_within called twice in {item.nodeid} with baseline stem {stem!r}; give each "
+                "call its own baseline='...'"
             )
-            obtained = {v: report.records(v) for v in report.variants}
-            order = {(variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)}
-            limit_violations = check_limits(obtained, limits or {})
-            hint = messages.refresh_command(item.nodeid)
-            if self.update:
-                nonfinite = [(v, r) for v, rows in obtained.items() for r in rows if r.nonfinite]
-                if nonfinite:
-                    self.outcomes["failed"] += 1
-                    pytest.fail(messages.nonfinite_message(nonfinite, self._shown(path)), pytrace=False)
-                self._write(
-                    path,
-                    baselines.document(report, item.nodeid, environment(report.device, self._flags(report))),
-                )
-            else:
-                if not path.exists():
-                    self.outcomes["missing"] += 1
-                    pytest.fail(messages.missing_baseline_message(self._shown(path), item.nodeid), pytrace=False)
-                expected = baselines.load_baseline(path, hint).records()
-                violations, gated = check_against_baseline(
-                    expected, obtained, rules, metrics if metrics is not None else DEFAULT_METRICS
-                )
-                if violations:
-                    self.outcomes["failed"] += 1
-                    message = messages.regression_message(violations, gated, self._shown(path), item.nodeid, order)
-                    if limit_violations:
-                        message += "\n" + messages.limit_message(limit_violations, order)
-                    pytest.fail(message, pytrace=False)
-                self.outcomes["passed"] += 1
+        used.add(stem)
+        path = baselines.baseline_path(self.baseline_dir, self._test_file(item), stem, device_key(report.device))
+        owner = self.path_owners.setdefault(path, item.nodeid)
+        if owner != item.nodeid:
+            raise ConfigurationError(
+                f"{item.nodeid} and {owner} would share the baseline file {self._shown(path)}; give one of them "
+                "its own baseline='...' (test names that differ only in characters a file name cannot hold "
+                "sanitise to the same file)"
+            )
+        rules = ToleranceRules(
+            base=self._base_tolerance(item, Tolerance),
+            rtol=rtol,
+            atol=atol,
+            per_tensor=dict(tolerances or {}),
+        )
+        gated_metrics = validated_metrics(metrics if metrics is not None else DEFAULT_METRICS)
+        obtained = {v: report.records(v) for v in report.variants}
+        order = {(variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)}
+        limit_violations = check_limits(obtained, limits or {})
+        nodeid = self._cwd_nodeid(item)
+        shown = self._shown(path)
+        if self.update:
+            nonfinite = [(v, r) for v, rows in obtained.items() for r in rows if r.nonfinite]
+            if nonfinite:
+                return "failed", messages.nonfinite_message(nonfinite, shown)
             if limit_violations:
-                pytest.fail(messages.limit_message(limit_violations, order), pytrace=False)
-        except PrecisionError as error:
-            pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
+                # Limits hold without a baseline: a run that breaks them is not written as the expectation.
+                return "failed", messages.limit_message(limit_violations, order) + f"\nNot written: {shown}"
+            document = baselines.document(report, item.nodeid, environment(report.device, self._flags(report)))
+            return self._write(path, document), None
+        if not path.exists():
+            missing = messages.missing_baseline_message(shown, nodeid)
+            if limit_violations:
+                missing += "\n" + messages.limit_message(limit_violations, order)
+            return "missing", missing
+        expected = baselines.load_baseline(path, messages.refresh_command(nodeid), shown=shown).records()
+        violations, gated = check_against_baseline(expected, obtained, rules, gated_metrics)
+        parts = []
+        if violations:
+            parts.append(messages.regression_message(violations, gated, shown, nodeid, order))
+        if limit_violations:
+            parts.append(messages.limit_message(limit_violations, order))
+        return ("failed", "\n".join(parts)) if parts else ("passed", None)
 
-    def _write(self, path: Path, document: dict[str, Any]) -> None:
+    @staticmethod
+    def _write(path: Path, document: dict[str, Any]) -> str:
+        """Write the baseline unless its numbers did not move; the outcome: written, updated or unchanged."""
         from . import baseline as baselines
 
         if path.exists() and baselines.numbers_unchanged(path, document):
-            self.outcomes["unchanged"] += 1
-            return
-        self.outcomes["updated" if path.exists() else "written"] += 1
+            return "unchanged"
+        outcome = "updated" if path.exists() else "written"
         baselines.write_atomically(path, baselines.render(document))
+        return outcome
 
     @staticmethod
     def _flags(report: PrecisionReport) -> dict[str, Any]:
@@ -187,6 +214,16 @@ class PrecisionSession:
             return os.fspath(item.path.relative_to(self.rootpath))
         except ValueError:
             return item.path.name
+
+    @staticmethod
+    def _cwd_nodeid(item: pytest.Item) -> str:
+        """The node id as a command typed where pytest was started can use it (node ids are rootdir-relative)."""
+        _, separator, rest = item.nodeid.partition("::")
+        try:
+            relative = os.path.relpath(item.path, item.config.invocation_params.dir)
+        except ValueError:
+            return item.nodeid
+        return f"{relative}{separator}{rest}"
 
     def _shown(self, path: Path) -> Path:
         try:
@@ -217,12 +254,14 @@ class PrecisionRunner:
     def run(self, model: Any, inputs: Any, variants: Any, **compare_kwargs: Any) -> PrecisionReport:
         """`pytest_precision.compare` on the session's device; the tables are kept for --precision-tables."""
         __tracebackhide__ = True
-        from .compare import compare
+        from .comparison import compare
 
         compare_kwargs.setdefault("device", self.device)
         try:
             report = compare(model, inputs, variants, **compare_kwargs)
         except PrecisionError as error:
-            pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
-        self._item.stash.setdefault(TABLES_KEY, []).append(report.format(full=False))
-        return report
+            message = f"{type(error).__name__}: {error}"
+        else:
+            self._item.stash.setdefault(TABLES_KEY, []).append(report.format(full=False))
+            return report
+        pytest.fail(message, pytrace=False)

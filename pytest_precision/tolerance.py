@@ -94,7 +94,7 @@ def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance
     return _magnitude(metric, obtained) > allowed
 
 
-def _validated_metrics(metrics: Iterable[str]) -> list[str]:
+def validated_metrics(metrics: Iterable[str]) -> list[str]:
     chosen = list(metrics)
     for metric in chosen:
         if metric not in METRIC_DIRECTIONS or metric in DESCRIPTIVE_METRICS:
@@ -152,7 +152,7 @@ def check_against_baseline(
     metrics: Iterable[str] = DEFAULT_METRICS,
 ) -> tuple[list[Violation], int]:
     """Violations of `obtained` against `expected` (records per variant), and how many tensors were gated."""
-    gated_metrics = _validated_metrics(metrics)
+    gated_metrics = validated_metrics(metrics)
     violations: list[Violation] = []
     gated = 0
     for variant in list(obtained) + [v for v in expected if v not in obtained]:
@@ -222,7 +222,7 @@ def check_limits(
     violations: list[Violation] = []
     for key, bounds in limits.items():
         _compile(key, "limits")
-        _validated_metrics(bounds)
+        validated_metrics(bounds)
         matched = False
         for variant, records in obtained.items():
             for record in records:

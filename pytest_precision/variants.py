@@ -183,8 +183,9 @@ def resolve_variants(specs: object) -> list[Variant]:
 def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
     """The reference run: "fp32" (IEEE fp32 matmuls, TF32 off) by default, or "fp64"."""
     reference = resolve_variant(spec, argument="reference")
-    if reference.dtype not in ("float32", "float64") or reference.autocast:
+    if reference.dtype not in ("float32", "float64") or reference.autocast or reference.matmul_precision != "highest":
         raise ConfigurationError(
-            f"reference: {reference.name!r} computes in {reference.dtype}; the reference must be 'fp32' or 'fp64'"
+            f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "
+            f"{reference.matmul_precision!r}; the reference must be 'fp32' (IEEE) or 'fp64'"
         )
     return reference

@@ -41,19 +41,30 @@ def default_device(model: object) -> torch.device:
 
 @contextlib.contextmanager
 def preserved_rng(device: torch.device) -> Iterator[None]:
-    """Restore torch's (all devices), Python's and NumPy's global RNG state on exit."""
+    """Restore torch's (CPU and the run's device), Python's and NumPy's global RNG state on exit."""
     import numpy as np
     import torch
 
     python_state = random.getstate()
     numpy_state = np.random.get_state()
-    devices = [device.index or 0] if device.type == "cuda" else []
+    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             yield
     finally:
         random.setstate(python_state)
         np.random.set_state(numpy_state)
+
+
+def seed_run(device: torch.device) -> None:
+    """Seed the CPU generator and the run's own device only: torch.manual_seed would also reseed every
+    CUDA device (or queue that until CUDA starts), which preserved_rng does not restore."""
+    import torch
+
+    torch.default_generator.manual_seed(RUN_SEED)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(RUN_SEED)
 
 
 def _loss_of(output: Any, inputs: Any, loss_fn: LossFn | None, variant: str) -> torch.Tensor | None:
@@ -110,7 +121,7 @@ class _Runner:
             float_dtype = torch_dtype(variant.weight_dtype)
             args, kwargs = self.batch.on(self.device, float_dtype)
             call_inputs: Any = kwargs if not args else (args[0] if len(args) == 1 else args)
-            torch.manual_seed(RUN_SEED)
+            seed_run(self.device)
             autocast = torch.autocast(
                 device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
             )

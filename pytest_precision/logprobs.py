@@ -1,0 +1,134 @@
+"""Chosen-token log-probabilities of causal LMs and the statistics RL post-training cares about.
+
+logpi[t] = log_softmax(logits[t] / temperature)[ids[t + 1]]: the log-probability of the next token, the
+vector an inference engine returns as prompt log-probs (vLLM's `prompt_logprobs[1:]`). Labels, when given,
+are unshifted as in transformers and shifted the same way; positions whose target is -100 or masked out
+are ignored.
+
+For a variant against its reference, delta = logpi_variant - logpi_reference is the log of the importance
+ratio exp(logpi_train - logpi_sample) that a precision mismatch introduces; the clip fraction is the share of
+tokens whose ratio leaves PPO's band [1 - eps, 1 + eps].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+IGNORE_INDEX = -100
+DEFAULT_CLIP_EPS = 0.2
+# Rows of the vocabulary processed at once when comparing whole distributions: bounds the float64
+# temporaries to (rows x vocab).
+_ROWS_PER_CHUNK = 1024
+
+
+def next_token_targets(
+    input_ids: torch.Tensor, labels: torch.Tensor | None, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(targets, valid), both (batch, seq - 1): the token each position predicts, and whether it counts."""
+    source = labels if labels is not None else input_ids
+    targets = source[:, 1:]
+    valid = targets != IGNORE_INDEX
+    if attention_mask is not None:
+        valid = valid & (attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] != 0)
+    return targets.clamp_min(0), valid
+
+
+def chosen_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """(batch, seq - 1) log-probabilities of `targets` under logits[:, :-1], computed in `dtype` (float32)."""
+    import torch
+
+    work = logits[:, :-1].to(dtype or torch.float32) / temperature
+    return torch.log_softmax(work, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class LogRatioStats:
+    """Statistics of delta = logpi_variant - logpi_reference over the counted tokens."""
+
+    delta_mean: float | None
+    delta_rms: float | None
+    delta_max_abs: float | None
+    clip_fraction: float | None
+    seq_delta_mean: float | None
+    seq_delta_std: float | None
+    seq_delta_rms: float | None
+    seq_delta_max: float | None
+
+
+def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> LogRatioStats:
+    """Token-level and per-sequence statistics of `delta` (batch, positions) where `valid`.
+
+    Per sequence, the mean delta over its counted tokens; then the mean, std (population), rms and max |.|
+    of those means over the sequences that have any counted token.
+    """
+    import torch
+
+    d = torch.where(valid, delta.to(torch.float64), 0.0)
+    count = valid.sum()
+    if int(count) == 0:
+        return LogRatioStats(None, None, None, None, None, None, None, None)
+    low, high = math.log1p(-clip_eps), math.log1p(clip_eps)
+    clipped = ((d < low) | (d > high)) & valid
+    per_sequence_count = valid.sum(dim=1)
+    has_tokens = per_sequence_count > 0
+    sequence_means = (d.sum(dim=1)[has_tokens] / per_sequence_count[has_tokens]).to(torch.float64)
+    values = torch.stack(
+        [
+            d.sum() / count,
+            (d.square().sum() / count).sqrt(),
+            d.abs().max(),
+            clipped.sum() / count,
+            sequence_means.mean(),
+            sequence_means.std(correction=0),
+            sequence_means.square().mean().sqrt(),
+            sequence_means.abs().max(),
+        ]
+    ).tolist()
+    return LogRatioStats(*values)
+
+
+@dataclass(frozen=True)
+class DistributionStats:
+    """Whole-distribution agreement per counted position: KL(p_ref || p_variant) and top-1 agreement."""
+
+    kl_mean: float | None
+    kl_max: float | None
+    top1_agreement: float | None
+
+
+def distribution_stats(
+    reference_logits: torch.Tensor,
+    variant_logits: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+) -> DistributionStats:
+    """KL(p_ref || p_var) mean and max, and the share of positions whose argmax agrees, in float64."""
+    import torch
+
+    ref = reference_logits[:, :-1][valid]
+    var = variant_logits[:, :-1][valid]
+    if ref.shape[0] == 0:
+        return DistributionStats(None, None, None)
+    kl_sum = torch.zeros((), dtype=torch.float64, device=ref.device)
+    kl_max = torch.zeros((), dtype=torch.float64, device=ref.device)
+    agree = torch.zeros((), dtype=torch.float64, device=ref.device)
+    for start in range(0, ref.shape[0], _ROWS_PER_CHUNK):
+        log_p = torch.log_softmax(ref[start : start + _ROWS_PER_CHUNK].to(torch.float64) / temperature, dim=-1)
+        log_q = torch.log_softmax(
+            var[start : start + _ROWS_PER_CHUNK].to(ref.device, torch.float64) / temperature, dim=-1
+        )
+        kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+        kl_sum += kl.sum()
+        kl_max = torch.maximum(kl_max, kl.max())
+        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
+    n = ref.shape[0]
+    total, peak, agreeing = torch.stack([kl_sum, kl_max, agree]).tolist()
+    return DistributionStats(total / n, peak, agreeing / n)

@@ -1,0 +1,222 @@
+"""Shared by the pytester tests of the plugin: a tiny seeded model written into each pytester project, and
+helpers to run pytest in-process and read what the user sees.
+
+The runs are in-process (`pytester.runpytest`), and pytester restores `sys.modules` after each run and
+again when its fixture ends: anything first imported after the fixture started is dropped again. So this
+module, imported when the tests are collected, imports torch, every pytest_precision module and whatever a
+comparison loads lazily (`warm_up()`), so that no run re-imports half of torch or a second copy of the plugin.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import re
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: tinymodel.py, written into every pytester project.
+TINY_MODEL = '''
+"""A tiny seeded language model: embedding -> 3 residual blocks -> norm -> head."""
+
+import os
+
+import torch
+from torch import nn
+
+from pytest_precision import Variant
+
+VOCAB, HIDDEN = 64, 32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, x):
+        return x + torch.tanh(self.lin(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids, labels):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return {"loss": loss, "logits": logits}
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return TinyLM().eval()
+
+
+def tiny_batch(seed=0):
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids}
+
+
+def coarse_block_1(model):
+    """Round block 1's output to float8 e4m3 (3 mantissa bits): a regression injected into one block."""
+    block = model.blocks[1]
+    forward = block.forward
+
+    def rounded(x):
+        out = forward(x)
+        return out.to(torch.float8_e4m3fn).to(out.dtype)
+
+    block.forward = rounded
+    return model
+
+
+def chosen_variants():
+    """TINY_VARIANTS (comma-separated, default bf16); with TINY_DEGRADE set, "bf16" is a degraded bf16."""
+    names = os.environ.get("TINY_VARIANTS", "bf16").split(",")
+    if not os.environ.get("TINY_DEGRADE"):
+        return names
+    degraded = Variant(name="bf16", dtype="bfloat16", prepare=coarse_block_1)
+    return [degraded if name == "bf16" else name for name in names]
+
+
+def run(precision, variants=None):
+    return precision.run(tiny_model(), tiny_batch(), variants=variants or chosen_variants())
+'''
+
+#: The simplest precision test: compare the tiny model's bf16 run against its baseline.
+SIMPLE_TEST = """
+from tinymodel import run
+
+
+def test_name(precision, assert_precision_within):
+    assert_precision_within(run(precision))
+"""
+
+TABLE_HEADER = re.compile(r"^\s*variant\s+tensor\s+kind\s+metric\s+baseline\s+obtained\s+ratio\s+allowed$")
+
+
+def warm_up() -> None:
+    """Import torch and all of pytest_precision, and run one comparison and baseline round trip here."""
+    import torch
+
+    import pytest_precision
+
+    for name in pytest_precision.__all__:
+        getattr(pytest_precision, name)
+    for module in pkgutil.iter_modules(pytest_precision.__path__):
+        importlib.import_module(f"pytest_precision.{module.name}")
+    from pytest_precision import baseline, compare, environment
+
+    tiny = types.ModuleType("tinymodel_warm_up")
+    exec(compile(TINY_MODEL, "tinymodel_warm_up", "exec"), tiny.__dict__)
+    report = compare(tiny.tiny_model(), tiny.tiny_batch(), ["bf16", "fp16"])
+    report.format()
+    document = baseline.document(report, "warm_up", environment.environment("cpu", {}))
+    json.loads(baseline.render(document))
+    torch.float8_e4m3fn  # noqa: B018
+
+
+def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, **tests: str) -> pytest.Pytester:
+    """A pytester project with tinymodel.py and the given test files, and no TINY_* variables set."""
+    for name in ("TINY_DEGRADE", "TINY_VARIANTS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    pytester.makepyfile(tinymodel=TINY_MODEL)
+    if tests:
+        pytester.makepyfile(**tests)
+    return pytester
+
+
+def degrade(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on, the "bf16" variant of tinymodel.run rounds block 1's output to float8."""
+    monkeypatch.setenv("TINY_DEGRADE", "1")
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """pytest in-process under umask 022, the usual one, so that file modes are predictable.
+
+    Torch runs on one thread meanwhile: a tiny model's kernels are ~20x faster without thread hand-offs,
+    more so on a busy machine. (`project` sets OMP_NUM_THREADS=1 for xdist workers and subprocesses.)
+    """
+    import torch
+
+    umask = os.umask(0o022)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pytester.runpytest("-p", "no:cacheprovider", *args)
+    finally:
+        torch.set_num_threads(threads)
+        os.umask(umask)
+
+
+def baseline_file(pytester: pytest.Pytester, test_file: str, stem: str, directory: str = "baselines") -> Path:
+    return pytester.path / directory / test_file / f"{stem}.cpu.json"
+
+
+def output(result: pytest.RunResult) -> str:
+    return "\n".join(result.outlines + result.errlines)
+
+
+def failure(result: pytest.RunResult, test_name: str) -> list[str]:
+    """The lines of one test's failure section, from its "___ name ___" title to the next title."""
+    lines = result.outlines
+    title = re.compile(rf"^_+ {re.escape(test_name)} _+$")
+    starts = [i for i, line in enumerate(lines) if title.match(line)]
+    assert len(starts) == 1, f"no single failure section for {test_name}:\n" + "\n".join(lines)
+    section = []
+    for line in lines[starts[0] + 1 :]:
+        if re.match(r"^(_{3,} .* _{3,}|-{3,} .* -{3,}|={3,} .* ={3,})$", line):
+            break
+        section.append(line)
+    return section
+
+
+def table_rows(section: list[str]) -> list[list[str]]:
+    """The rows under the violation table's header, split on whitespace."""
+    headers = [i for i, line in enumerate(section) if TABLE_HEADER.match(line)]
+    assert len(headers) == 1, "no single violation table header in:\n" + "\n".join(section)
+    header = headers[0]
+    rows = []
+    for line in section[header + 1 :]:
+        if not line.startswith("  ") or line.startswith("  ..."):
+            break
+        rows.append(line.split())
+    return rows
+
+
+def assert_no_traceback(result: pytest.RunResult) -> None:
+    """What the user sees names no plugin internals: no traceback, no source lines, no library paths."""
+    text = output(result)
+    assert "Traceback" not in text
+    assert "pytest_precision" not in text
+    assert "site-packages" not in text
+    assert not [line for line in result.outlines if line.startswith(("E   ", ">   "))]
+
+
+def records(document: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for name, entry in document["variants"].items():
+        for record in entry["records"]:
+            yield name, record
+
+
+def record_rows(path: Path, variant: str = "bf16") -> list[tuple[str, str]]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return [(r["name"], r["kind"]) for v, r in records(data) if v == variant]
+
+
+warm_up()

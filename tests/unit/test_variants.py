@@ -1,0 +1,194 @@
+"""Variant resolution: built-in names, dicts, validation and dtype aliases."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from pytest_precision.errors import ConfigurationError
+from pytest_precision.variants import (
+    BUILTIN_VARIANTS,
+    Variant,
+    dtype_name,
+    resolve_reference,
+    resolve_variant,
+    resolve_variants,
+    torch_dtype,
+)
+
+EXPECTED_BUILTINS = {
+    "fp64": ("float64", False),
+    "fp32": ("float32", False),
+    "tf32": ("float32", False),
+    "bf16": ("bfloat16", False),
+    "fp16": ("float16", False),
+    "bf16_autocast": ("bfloat16", True),
+    "fp16_autocast": ("float16", True),
+    "bf16_fp32_head": ("bfloat16", False),
+    "fp16_fp32_head": ("float16", False),
+    "bf16_reduced_reduction": ("bfloat16", False),
+}
+
+
+def test_builtin_names() -> None:
+    assert set(BUILTIN_VARIANTS) == set(EXPECTED_BUILTINS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_BUILTINS))
+def test_every_builtin_resolves(name: str) -> None:
+    variant = resolve_variant(name)
+    assert isinstance(variant, Variant)
+    assert variant.name == name
+    assert (variant.dtype, variant.autocast) == EXPECTED_BUILTINS[name]
+    assert variant.weight_dtype == ("float32" if variant.autocast else variant.dtype)
+    assert resolve_variants([name]) == [variant]
+    assert resolve_variants(name) == [variant]
+
+
+def test_builtin_specifics() -> None:
+    assert BUILTIN_VARIANTS["tf32"].matmul_precision == "high"
+    assert BUILTIN_VARIANTS["fp32"].matmul_precision == "highest"
+    assert BUILTIN_VARIANTS["bf16_fp32_head"].fp32_modules == ("<output head>",)
+    assert BUILTIN_VARIANTS["bf16_reduced_reduction"].backend == {
+        "cuda.matmul.allow_bf16_reduced_precision_reduction": True
+    }
+    assert BUILTIN_VARIANTS["bf16"].backend == {}
+
+
+def test_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        resolve_variant("bf17")
+    message = str(info.value)
+    assert "'bf17'" in message
+    for name in BUILTIN_VARIANTS:
+        assert name in message
+    with pytest.raises(ConfigurationError, match="bf17"):
+        resolve_variants(["bf16", "bf17"])
+
+
+def test_dict_spec() -> None:
+    variant = resolve_variant({"name": "mine", "dtype": "bf16", "fp32_modules": ["lm_head"]})
+    assert variant == Variant("mine", dtype="bfloat16", fp32_modules=("lm_head",))
+    assert variant.fp32_modules == ("lm_head",)
+
+
+def test_dict_with_unknown_field_names_it() -> None:
+    with pytest.raises(ConfigurationError) as info:
+        resolve_variant({"name": "mine", "dtype": "bf16", "precision": "high"})
+    assert "precision" in str(info.value)
+    assert "matmul_precision" in str(info.value)  # the valid fields are listed
+
+
+def test_dict_without_name() -> None:
+    with pytest.raises(ConfigurationError, match="name"):
+        resolve_variant({"dtype": "bf16"})
+
+
+def test_bad_spec_type() -> None:
+    with pytest.raises(ConfigurationError, match="int"):
+        resolve_variant(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("specs", [[], (), None, 3])
+def test_empty_or_bad_variant_list(specs: object) -> None:
+    with pytest.raises(ConfigurationError):
+        resolve_variants(specs)
+
+
+def test_duplicate_names_rejected() -> None:
+    with pytest.raises(ConfigurationError, match="bf16"):
+        resolve_variants(["bf16", "fp16", Variant("bf16", dtype="float16")])
+    with pytest.raises(ConfigurationError, match="duplicate"):
+        resolve_variants(["fp16", "fp16"])
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp64"])
+def test_reference_accepts_fp32_and_fp64(name: str) -> None:
+    assert resolve_reference(name) is BUILTIN_VARIANTS[name]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16", "bf16_autocast", "fp16_autocast", "bf16_fp32_head"])
+def test_reference_rejects_low_precision(name: str) -> None:
+    with pytest.raises(ConfigurationError, match="reference"):
+        resolve_reference(name)
+
+
+def test_reference_rejects_unknown() -> None:
+    with pytest.raises(ConfigurationError, match="reference"):
+        resolve_reference("nope")
+
+
+def test_reference_rejects_tf32() -> None:
+    with pytest.raises(ConfigurationError):
+        resolve_reference("tf32")
+
+
+@pytest.mark.parametrize(
+    ("alias", "expected"),
+    [
+        ("bf16", "bfloat16"),
+        ("bfloat16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),
+        (torch.bfloat16, "bfloat16"),
+        ("fp16", "float16"),
+        ("half", "float16"),
+        (torch.float16, "float16"),
+        ("fp32", "float32"),
+        ("float", "float32"),
+        (torch.float32, "float32"),
+        ("fp64", "float64"),
+        ("double", "float64"),
+        (torch.float64, "float64"),
+    ],
+)
+def test_dtype_aliases(alias: object, expected: str) -> None:
+    assert dtype_name(alias) == expected
+    assert Variant("v", dtype=alias).dtype == expected  # type: ignore[arg-type]
+    assert torch_dtype(expected) == getattr(torch, expected)
+
+
+@pytest.mark.parametrize("dtype", ["int8", torch.int32, "fp8", "bfloat"])
+def test_unsupported_dtype(dtype: object) -> None:
+    with pytest.raises(ConfigurationError, match="dtype"):
+        Variant("v", dtype=dtype)  # type: ignore[arg-type]
+
+
+def test_variant_validation() -> None:
+    with pytest.raises(ConfigurationError, match="matmul_precision"):
+        Variant("v", matmul_precision="low")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="autocast"):
+        Variant("v", dtype="float32", autocast=True)
+
+
+def test_variant_is_frozen() -> None:
+    variant = Variant("v", dtype="bf16")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        variant.dtype = "float16"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        variant.name = "w"  # type: ignore[misc]
+    assert hash(variant) == hash(Variant("v", dtype="bfloat16"))
+
+
+def test_variant_copies_its_mutable_arguments() -> None:
+    backend = {"cuda.matmul.allow_bf16_reduced_precision_reduction": True}
+    modules = ["lm_head"]
+    variant = Variant("v", dtype="bf16", backend=backend, fp32_modules=modules)  # type: ignore[arg-type]
+    backend["cuda.matmul.allow_bf16_reduced_precision_reduction"] = False
+    modules.append("x")
+    assert variant.backend == {"cuda.matmul.allow_bf16_reduced_precision_reduction": True}
+    assert variant.fp32_modules == ("lm_head",)
+
+
+def test_to_dict() -> None:
+    def my_prepare(model: object) -> object:
+        return model
+
+    variant = Variant("v", dtype="bf16", fp32_modules=("a", "b"), backend={"z": 1, "a": 2}, prepare=my_prepare)
+    data = variant.to_dict()
+    assert data["name"] == "v" and data["dtype"] == "bfloat16"
+    assert data["fp32_modules"] == ["a", "b"]
+    assert list(data["backend"]) == ["a", "z"]
+    assert data["prepare"].endswith("my_prepare")
+    assert data["prepare"].startswith(__name__)
