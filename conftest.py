@@ -14,6 +14,10 @@ ROOT = Path(__file__).parent
 #: A tiny Llama committed as safetensors (see tests/data/make_tiny_models.py): the bundled example model.
 TINY_LLAMA_DIR = ROOT / "tests" / "data" / "tiny-llama"
 
+#: A tiny byte-level Llama trained on public-domain text (see tests/data/tiny-trained-lm/TRAINING.md):
+#: its next-token distributions are peaked like a real model's, unlike random weights'.
+TRAINED_LM_DIR = ROOT / "tests" / "data" / "tiny-trained-lm"
+
 VOCAB_SIZE = 256
 
 
@@ -58,6 +62,8 @@ def tiny_gpt2(*, seed: int = 0, layers: int = 3, dropout: float = 0.0) -> Any:
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
+        bos_token_id=0,
+        eos_token_id=0,
         attn_implementation="eager",
     )
     return _seeded(config, GPT2LMHeadModel, seed)
@@ -91,6 +97,27 @@ def load_tiny_llama(dtype: Any = None, device: Any = "cpu") -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR, dtype=dtype or torch.float32)
     return model.to(device).eval()
+
+
+def load_trained_lm(dtype: Any = None, device: Any = "cpu") -> Any:
+    """The committed trained tiny LM, loaded like a checkpoint; usable as a model factory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
+def trained_lm_text_batch(*, batch: int = 2, length: int = 128) -> dict[str, Any]:
+    """input_ids and labels from the held-out end of the trained model's corpus (text it never saw)."""
+    from transformers import AutoTokenizer
+
+    from pytest_precision.inputs import from_text
+
+    text = (TRAINED_LM_DIR / "corpus.txt").read_text(encoding="utf-8")
+    held_out = text[int(len(text) * 0.9) :]
+    ids = from_text(AutoTokenizer.from_pretrained(TRAINED_LM_DIR), held_out, batch, length)
+    return {"input_ids": ids, "labels": ids.clone()}
 
 
 def random_tokens(*, batch: int = 2, length: int = 32, seed: int = 0) -> Any:

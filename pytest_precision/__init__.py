@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .assertion import assert_precision_within
     from .comparison import compare
+    from .cross_engine import compare_logprobs
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
     from .report import PrecisionReport, Record
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "assert_precision_within": "assertion",
     "compare": "comparison",
+    "compare_logprobs": "cross_engine",
     "BaselineError": "errors",
     "ConfigurationError": "errors",
     "ModelRunError": "errors",
@@ -47,11 +49,15 @@ __all__ = [
     "__version__",
     "assert_precision_within",
     "compare",
+    "compare_logprobs",
+    "inputs",
     "tensor_error",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "inputs":  # the submodule of input builders: pytest_precision.inputs.random_tokens(...)
+        return importlib.import_module(".inputs", __name__)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'pytest_precision' has no attribute {name!r}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -12,6 +14,7 @@ from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, apply_mask, to_batch
 from .capture import capture, select_modules
 from .errors import ConfigurationError, ModelRunError, PrecisionError
+from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
 from .model_build import ModelFactory, build_run_model
 from .report import PrecisionReport, Record, RunInfo
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 LossFn = Callable[[Any, Any], "torch.Tensor"]
+Sink = Callable[[str, str, "torch.Tensor"], None]
 TensorKey = tuple[str, str]
 
 #: Seed set before every run, on every device, so randomness cannot masquerade as precision error.
@@ -90,6 +94,67 @@ def _dtype_counts(tensors: Iterator[torch.Tensor]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def parameter_categories(model: nn.Module) -> tuple[dict[str, str], bool | None]:
+    """Parameter name -> category for the gradient summary, and whether the head is tied to the embedding."""
+    from torch import nn
+
+    get_input = getattr(model, "get_input_embeddings", None)
+    get_output = getattr(model, "get_output_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    head = get_output() if callable(get_output) else None
+    tied = None
+    if embedding is not None and head is not None:
+        tied = getattr(head, "weight", None) is getattr(embedding, "weight", object())
+    names = dict(model.named_parameters())
+    categories: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        for parameter_name, parameter in module.named_parameters(recurse=False):
+            full = f"{module_name}.{parameter_name}" if module_name else parameter_name
+            if full not in names:
+                continue  # a tied parameter, reported under its first name
+            if module is head:
+                category = "lm_head"
+            elif module is embedding or isinstance(module, nn.Embedding):
+                category = "embedding"
+            elif parameter_name == "bias":
+                category = "bias"
+            elif "norm" in type(module).__name__.lower():
+                category = "norm"
+            elif parameter.dim() >= 2:
+                category = "linear"
+            else:
+                category = "other"
+            categories[full] = category
+    return categories, tied
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """Whether next-token log-probabilities mean something: a transformers model that can generate (not a
+    masked LM or a classifier); any other model returning `.logits` is taken at its word."""
+    can_generate = getattr(model, "can_generate", None)
+    return bool(can_generate()) if callable(can_generate) else True
+
+
+def _logits_of(output: Any) -> torch.Tensor | None:
+    import torch
+
+    logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
+
+
+def fp16_loss_scale(max_gradient: float) -> float:
+    """The largest power of two keeping fp16 gradients in range with 4x headroom for unlogged partial sums."""
+    if max_gradient <= 0 or not math.isfinite(max_gradient):
+        return 1.0
+    return float(2 ** max(0, math.floor(math.log2(FP16_MAX / max_gradient / 4))))
+
+
+FP16_MAX = 65504.0
+GRADIENT_KINDS = ("bw", "grad")
+#: Internal kind: the reference's logits, kept to compare whole next-token distributions.
+LOGITS_KIND = "logits"
+
+
 class _Runner:
     """Everything shared by the runs of one comparison."""
 
@@ -101,6 +166,10 @@ class _Runner:
         loss_fn: LossFn | None,
         backward: bool,
         modules: Sequence[str] | None,
+        *,
+        temperature: float,
+        clip_eps: float,
+        logprob_dtype: torch.dtype,
     ) -> None:
         self.source = source
         self.batch = batch
@@ -110,8 +179,24 @@ class _Runner:
         self.modules = modules
         self.module_names: list[str] | None = None
         self.mask = batch.mask(device)
+        self.temperature = temperature
+        self.clip_eps = clip_eps
+        self.logprob_dtype = logprob_dtype
+        self.targets: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+        input_ids = batch.kwargs.get("input_ids")
+        labels = batch.kwargs.get("labels")
+        ids = input_ids if input_ids is not None else labels
+        if ids is not None and ids.dim() == 2 and not ids.is_floating_point():
+            attention = batch.kwargs.get("attention_mask")
+            self.targets, self.valid = next_token_targets(
+                ids.to(device),
+                labels.to(device) if labels is not None and labels.dim() == 2 else None,
+                attention.to(device) if attention is not None and attention.dim() == 2 else None,
+            )
 
-    def run(self, variant: Variant, sink: Callable[[str, str, torch.Tensor], None]) -> RunInfo:
+    def run(self, variant: Variant, sink: Sink, loss_scale: float = 1.0) -> RunInfo:
+        """One run of `variant`, streaming its tensors to `sink`; the loss is multiplied by `loss_scale`."""
         import torch
 
         with pinned_backend(variant, self.device.type) as flags:
@@ -136,6 +221,7 @@ class _Runner:
                             f"run {variant.name!r}: {type(model).__name__} rejected the inputs "
                             f"{self.batch.shapes()}: {type(error).__name__}: {error}"
                         ) from error
+                self._log_probabilities(model, output, sink)
                 loss = _loss_of(output, call_inputs, self.loss_fn, variant.name)
                 if loss is not None:
                     sink("loss", "loss", loss.detach())
@@ -150,7 +236,8 @@ class _Runner:
                             f"run {variant.name!r}: the loss does not require grad (no parameter requires "
                             "grad?); pass backward=False to compare forward tensors only"
                         )
-                    loss.backward()  # type: ignore[no-untyped-call]
+                    (loss * loss_scale if loss_scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
+            categories, tied = parameter_categories(model)
             info = RunInfo(
                 variant=variant.to_dict(),
                 parameter_dtypes=_dtype_counts(model.parameters()),
@@ -158,22 +245,79 @@ class _Runner:
                 input_shapes=self.batch.shapes(),
                 token_count=self.batch.token_count(),
                 backend=flags_to_dict(flags),
+                parameter_categories=categories,
+                tied_head=tied,
             )
             del model, output, loss
         return info
 
-    def masked(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _log_probabilities(self, model: nn.Module, output: Any, sink: Sink) -> None:
+        """For a causal LM: the gradient at the logits (bw), the logits, and the chosen-token log-probs."""
+        logits = _logits_of(output)
+        if (
+            logits is None
+            or self.targets is None
+            or not _is_causal_lm(model)
+            or tuple(logits.shape[:2]) != (self.targets.shape[0], self.targets.shape[1] + 1)
+            or int(self.targets.max()) >= logits.shape[-1]  # logits over tags or classes, not the vocabulary
+        ):
+            return
+        if self.backward and logits.requires_grad:
+            logits.register_hook(lambda grad: sink("logits", "bw", grad))  # type: ignore[no-untyped-call]
+        sink("logits", LOGITS_KIND, logits.detach())
+        logprobs = chosen_logprobs(
+            logits.detach(), self.targets, temperature=self.temperature, dtype=self.logprob_dtype
+        )
+        sink("logprob", "logprob", logprobs)
+
+    def masked(self, name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The positions of `tensor` that count for its metrics."""
+        import torch
+
+        if kind == "logprob":
+            return apply_mask(tensor, self.valid)
+        if kind == "bw" and name == "logits" and self.valid is not None:
+            # The loss's gradient at logits[t] is non-zero exactly where target t (token t + 1) counts.
+            last = torch.zeros_like(self.valid[:, :1])
+            return apply_mask(tensor, torch.cat([self.valid, last], dim=1))
         return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor
 
 
-def _measure_variant(
-    runner: _Runner, variant: Variant, stored: Mapping[TensorKey, torch.Tensor]
-) -> tuple[RunInfo, list[Record]]:
-    """Run `variant`, comparing each tensor to the reference as soon as it is produced (none is kept)."""
-    records: list[Record] = []
+def _calibrate_loss_scale(runner: _Runner, variant: Variant) -> float:
+    """Run `variant` unscaled and size the loss scale from its largest finite gradient."""
+    import torch
 
-    def measure(name: str, kind: str, tensor: torch.Tensor) -> None:
-        expected = stored.get((name, kind))
+    largest = torch.zeros((), dtype=torch.float64, device=runner.device)
+
+    def probe(name: str, kind: str, tensor: torch.Tensor) -> None:
+        nonlocal largest
+        if kind in GRADIENT_KINDS and tensor.numel():
+            magnitude = tensor.detach().abs().to(torch.float64)
+            largest = torch.maximum(largest, torch.where(torch.isfinite(magnitude), magnitude, 0.0).max())
+
+    runner.run(variant, probe)
+    return fp16_loss_scale(float(largest))
+
+
+class _VariantPass:
+    """One pass of a variant: each tensor is compared to the reference when produced, then dropped."""
+
+    def __init__(
+        self, runner: _Runner, variant: Variant, stored: Mapping[TensorKey, torch.Tensor], scale: float
+    ) -> None:
+        self.runner = runner
+        self.variant = variant
+        self.stored = stored
+        self.scale = scale
+        self.records: list[Record] = []
+        self.distribution: dict[str, float | None] = {}
+        self.overflowed = False
+
+    def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        import torch
+
+        runner, variant = self.runner, self.variant
+        expected = self.stored.get((name, kind))
         if expected is None:
             raise ModelRunError(
                 f"run {variant.name!r} produced {kind} tensor {name!r} that the reference run did "
@@ -184,10 +328,61 @@ def _measure_variant(
                 f"run {variant.name!r}: {kind} tensor {name!r} has shape {tuple(tensor.shape)}, "
                 f"the reference's is {tuple(expected.shape)}"
             )
-        error = tensor_error(runner.masked(kind, expected), runner.masked(kind, tensor.detach()))
-        records.append(Record.from_error(name, kind, tuple(tensor.shape), error))
+        obtained = tensor.detach()
+        if kind == LOGITS_KIND:
+            assert runner.valid is not None
+            stats = distribution_stats(expected, obtained, runner.valid, temperature=runner.temperature)
+            self.distribution = dataclasses.asdict(stats)
+            return
+        if kind in GRADIENT_KINDS and self.scale != 1:
+            obtained = obtained.to(torch.float64) / self.scale
+        error = tensor_error(runner.masked(name, kind, expected), runner.masked(name, kind, obtained))
+        extra: dict[str, Any] = {}
+        if kind == "logprob":
+            assert runner.valid is not None
+            delta = obtained.to(torch.float64) - expected.to(torch.float64)
+            ratio = log_ratio_stats(delta, runner.valid, clip_eps=runner.clip_eps)
+            extra = {**dataclasses.asdict(ratio), **self.distribution}
+        if kind in GRADIENT_KINDS and error.nonfinite:
+            self.overflowed = True
+        self.records.append(Record.from_error(name, kind, tuple(tensor.shape), error, **extra))
 
-    return runner.run(variant, measure), records
+
+def _measure_variant(
+    runner: _Runner,
+    variant: Variant,
+    stored: Mapping[TensorKey, torch.Tensor],
+    loss_scale: float | None,
+) -> tuple[RunInfo, list[Record]]:
+    """Run `variant` against the stored reference tensors.
+
+    A variant computing in fp16 gets its loss scaled (fp16 gradients underflow without it): by `loss_scale`
+    when given, else by a calibration pass; the gradients are unscaled in float64 before comparison, and a
+    scaled pass whose gradients overflow is retried at half the scale.
+    """
+    scaled = runner.backward and variant.dtype == "float16"
+    scale = 1.0
+    if scaled:
+        scale = loss_scale if loss_scale is not None else _calibrate_loss_scale(runner, variant)
+    while True:
+        measured = _VariantPass(runner, variant, stored, scale)
+        info = runner.run(variant, measured.measure, scale)
+        if not (scaled and measured.overflowed and scale > 1):
+            break
+        scale /= 2
+    return (dataclasses.replace(info, loss_scale=scale) if scaled else info), measured.records
+
+
+LossScale = float | Mapping[str, float] | None
+
+
+def _loss_scale_for(loss_scale: LossScale, variant: str) -> float | None:
+    if loss_scale is None:
+        return None
+    if isinstance(loss_scale, Mapping):
+        value = loss_scale.get(variant)
+        return None if value is None else float(value)
+    return float(loss_scale)
 
 
 def compare(
@@ -200,6 +395,9 @@ def compare(
     backward: bool = True,
     modules: Sequence[str] | None = None,
     device: str | torch.device | None = None,
+    temperature: float = 1.0,
+    clip_eps: float = DEFAULT_CLIP_EPS,
+    loss_scale: LossScale = None,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -207,6 +405,8 @@ def compare(
     inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments.
     loss_fn: `loss_fn(output, inputs) -> scalar`; default `output.loss`.
     modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
+    temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction.
+    loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: calibrated.
     """
     import torch
     from torch import nn
@@ -215,10 +415,25 @@ def compare(
         raise ConfigurationError(
             f"model: expected a torch.nn.Module or a factory (dtype, device) -> nn.Module, got {type(model).__name__}"
         )
+    if temperature <= 0:
+        raise ConfigurationError(f"temperature must be positive, got {temperature}")
+    if not 0 < clip_eps < 1:
+        raise ConfigurationError(f"clip_eps must be in (0, 1), got {clip_eps}")
     reference_variant = resolve_reference(reference)
     variant_list = resolve_variants(variants)
     run_device = torch.device(device) if device is not None else default_device(model)
-    runner = _Runner(model, to_batch(inputs), run_device, loss_fn, backward, modules)
+    logprob_dtype = torch.float64 if reference_variant.dtype == "float64" else torch.float32
+    runner = _Runner(
+        model,
+        to_batch(inputs),
+        run_device,
+        loss_fn,
+        backward,
+        modules,
+        temperature=temperature,
+        clip_eps=clip_eps,
+        logprob_dtype=logprob_dtype,
+    )
 
     with preserved_rng(run_device):
         stored: dict[TensorKey, torch.Tensor] = {}
@@ -229,8 +444,9 @@ def compare(
 
         report = PrecisionReport(reference=runner.run(reference_variant, keep), device=str(run_device))
         for variant in variant_list:
-            info, records = _measure_variant(runner, variant, stored)
+            info, records = _measure_variant(runner, variant, stored, _loss_scale_for(loss_scale, variant.name))
             seen = {(r.name, r.kind) for r in records}
-            report.add(variant.name, info, records, [key for key in stored if key not in seen])
+            missing = [key for key in stored if key not in seen and key[1] != LOGITS_KIND]
+            report.add(variant.name, info, records, missing)
         stored.clear()
     return report

@@ -84,7 +84,7 @@ def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float
             d.sum() / count,
             (d.square().sum() / count).sqrt(),
             d.abs().max(),
-            clipped.sum() / count,
+            clipped.sum(dtype=torch.float64) / count,
             sequence_means.mean(),
             sequence_means.std(correction=0),
             sequence_means.square().mean().sqrt(),

@@ -32,13 +32,51 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
     "cosine": "higher",
     "sqnr_db": "higher",
     "nonfinite": "lower",
+    # Log-ratio statistics of chosen-token log-probabilities (kind "logprob"), see logprobs.py.
+    "delta_mean": "lower",
+    "delta_rms": "lower",
+    "delta_max_abs": "lower",
+    "clip_fraction": "lower",
+    "seq_delta_mean": "lower",
+    "seq_delta_std": "lower",
+    "seq_delta_rms": "lower",
+    "seq_delta_max": "lower",
+    "kl_mean": "lower",
+    "kl_max": "lower",
+    "top1_agreement": "higher",
+    # Cross-engine decomposition delta = floor + (e_a - e_b), see cross_engine.py.
+    "rho": "higher",
+    "rms_e_a": "lower",
+    "rms_e_b": "lower",
+    "rms_e_diff": "lower",
+    "rms_floor": "lower",
 }
+
+#: Metrics only some records carry (log-probability rows); None elsewhere and left out of their JSON.
+OPTIONAL_METRICS: tuple[str, ...] = (
+    "delta_mean",
+    "delta_rms",
+    "delta_max_abs",
+    "clip_fraction",
+    "seq_delta_mean",
+    "seq_delta_std",
+    "seq_delta_rms",
+    "seq_delta_max",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "rho",
+    "rms_e_a",
+    "rms_e_b",
+    "rms_e_diff",
+    "rms_floor",
+)
 
 #: Metrics describing the reference rather than an error: never gated.
 DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
 
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
-SIGNED_METRICS = frozenset({"bias_abs", "bias_rel"})
+SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean"})
 
 # Elements per chunk of the fused pass: bounds the float64 temporaries to a few tens of MB.
 _CHUNK_ELEMENTS = 1 << 22

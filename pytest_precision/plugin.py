@@ -173,7 +173,7 @@ def precision_device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def precision(request: pytest.FixtureRequest, precision_device: str) -> PrecisionRunner:
     """`precision.run(model, inputs, variants=[...], **compare_kwargs) -> PrecisionReport`."""
-    return PrecisionRunner(request.node, precision_device)
+    return PrecisionRunner(request.node, precision_device, request.config.stash[SESSION_KEY])
 
 
 @pytest.fixture(name="assert_precision_within")

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import METRIC_NAMES, TensorError
+from .metrics import METRIC_NAMES, OPTIONAL_METRICS, TensorError
 
-KINDS = ("fw", "loss", "bw", "grad")
+KINDS = ("fw", "logprob", "loss", "bw", "grad")
 
 
 def kind_rank(kind: str) -> int:
@@ -24,10 +24,28 @@ class Record(TensorError):
     name: str = ""
     kind: str = ""
     shape: tuple[int, ...] = ()
+    # Log-probability rows only (None elsewhere): statistics of delta = logpi_variant - logpi_reference.
+    delta_mean: float | None = None
+    delta_rms: float | None = None
+    delta_max_abs: float | None = None
+    clip_fraction: float | None = None
+    seq_delta_mean: float | None = None
+    seq_delta_std: float | None = None
+    seq_delta_rms: float | None = None
+    seq_delta_max: float | None = None
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    top1_agreement: float | None = None
+    # Cross-engine rows only: the error decomposition against each side's own reference.
+    rho: float | None = None
+    rms_e_a: float | None = None
+    rms_e_b: float | None = None
+    rms_e_diff: float | None = None
+    rms_floor: float | None = None
 
     @classmethod
-    def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError) -> Record:
-        return cls(**dataclasses.asdict(error), name=name, kind=kind, shape=tuple(shape))
+    def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError, **extra: Any) -> Record:
+        return cls(**dataclasses.asdict(error), name=name, kind=kind, shape=tuple(shape), **extra)
 
     def metric(self, metric: str) -> float | None:
         """A metric by name (None when undefined)."""
@@ -35,8 +53,12 @@ class Record(TensorError):
         return None if value is None else float(value)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; optional metrics appear only where defined, keeping baseline lines short."""
         data = dataclasses.asdict(self)
         data["shape"] = list(self.shape)
+        for metric in OPTIONAL_METRICS:
+            if data[metric] is None:
+                del data[metric]
         return data
 
     @classmethod
@@ -57,14 +79,20 @@ class RunInfo:
     buffer_dtypes: dict[str, int]
     input_shapes: dict[str, list[int]]
     token_count: int | None
-    backend: dict[str, dict[str, Any]]
+    backend: dict[str, Any]
+    #: fp16 gradient loss scale of this run (None when the run was not scaled).
+    loss_scale: float | None = None
+    #: Parameter name -> "lm_head", "embedding", "linear", "norm", "bias" or "other" (tied parameters once).
+    parameter_categories: dict[str, str] = field(default_factory=dict)
+    #: Whether the output head shares its weight with the input embedding.
+    tied_head: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunInfo:
-        values: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
         return cls(**values)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -179,6 +180,25 @@ class PrecisionSession:
             parts.append(messages.limit_message(limit_violations, order))
         return ("failed", "\n".join(parts)) if parts else ("passed", None)
 
+    def recorded_loss_scales(self, item: pytest.Item, stem: str | None, device: str) -> dict[str, float]:
+        """{variant: loss scale} recorded in the test's baseline file; empty when there is none to read
+        (a missing or unreadable file is reported by the gate itself)."""
+        from . import baseline as baselines
+        from .environment import device_key
+
+        path = baselines.baseline_path(
+            self.baseline_dir, self._test_file(item), stem or baselines.baseline_stem(item.nodeid), device_key(device)
+        )
+        try:
+            variants = json.loads(path.read_text(encoding="utf-8"))["variants"]
+            return {
+                name: float(entry["run"]["loss_scale"])
+                for name, entry in variants.items()
+                if entry.get("run", {}).get("loss_scale") is not None
+            }
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return {}
+
     @staticmethod
     def _write(path: Path, document: dict[str, Any]) -> str:
         """Write the baseline unless its numbers did not move; the outcome: written, updated or unchanged."""
@@ -247,16 +267,28 @@ SESSION_KEY = pytest.StashKey[PrecisionSession]()
 class PrecisionRunner:
     """The `precision` fixture: `precision.run(model, inputs, variants=[...], **compare_kwargs)`."""
 
-    def __init__(self, item: pytest.Item, device: str) -> None:
+    def __init__(self, item: pytest.Item, device: str, session: PrecisionSession) -> None:
         self._item = item
+        self._session = session
         self.device = device
 
-    def run(self, model: Any, inputs: Any, variants: Any, **compare_kwargs: Any) -> PrecisionReport:
-        """`pytest_precision.compare` on the session's device; the tables are kept for --precision-tables."""
+    def run(
+        self, model: Any, inputs: Any, variants: Any, *, baseline: str | None = None, **compare_kwargs: Any
+    ) -> PrecisionReport:
+        """`pytest_precision.compare` on the session's device; the tables are kept for --precision-tables.
+
+        Comparing against a baseline, fp16 variants reuse the loss scale recorded there (unless `loss_scale=`
+        is given), so a gradient crossing a power of two cannot make the gate flap; `baseline` names the
+        stem when the test passes one to assert_precision_within too.
+        """
         __tracebackhide__ = True
         from .comparison import compare
 
         compare_kwargs.setdefault("device", self.device)
+        if "loss_scale" not in compare_kwargs and not self._session.update:
+            scales = self._session.recorded_loss_scales(self._item, baseline, str(compare_kwargs["device"]))
+            if scales:
+                compare_kwargs["loss_scale"] = scales
         try:
             report = compare(model, inputs, variants, **compare_kwargs)
         except PrecisionError as error:

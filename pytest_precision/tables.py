@@ -117,6 +117,78 @@ def tensor_table(records: Sequence[Record]) -> list[str]:
     return render(header, rows, left=2)
 
 
+def _median_and_max(values: Sequence[float | None]) -> tuple[float | None, float | None]:
+    finite = [v for v in values if v is not None and not math.isnan(v)]
+    return (statistics.median(finite), max(finite)) if finite else (None, None)
+
+
+def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel") -> list[str]:
+    """Parameter gradients by category: the LM head (n/a when tied to the embedding), linear weights and
+    norm weights (median and max), biases when the model has any, and the embedding."""
+    categories = report.reference.parameter_categories
+    if not categories or not any(report.records(v, "grad") for v in report.variants):
+        return []
+    has_bias = "bias" in categories.values()
+    header = ["grad", "lm_head", "linear med", "linear max", "norm med", "norm max"]
+    header += ["bias med", "bias max"] if has_bias else []
+    header += ["embedding", "loss scale"]
+    columns: list[list[float | None]] = [[] for _ in header[1:-1]]
+    for variant in report.variants:
+        by_category: dict[str, list[float | None]] = {}
+        for record in report.records(variant, "grad"):
+            by_category.setdefault(categories.get(record.name, "other"), []).append(record.metric(metric))
+        head = by_category.get("lm_head", [None])
+        cells = [head[0] if head else None]
+        cells += [*_median_and_max(by_category.get("linear", [])), *_median_and_max(by_category.get("norm", []))]
+        cells += list(_median_and_max(by_category.get("bias", []))) if has_bias else []
+        embedding = by_category.get("embedding", [None])
+        cells.append(embedding[0] if embedding else None)
+        for column, cell in zip(columns, cells, strict=True):
+            column.append(cell)
+    formatted = [percent_column(column) for column in columns]
+    if report.reference.tied_head:
+        formatted[0] = ["n/a (tied)"] * len(report.variants)
+    rows = []
+    for i, variant in enumerate(report.variants):
+        scale = report.runs[variant].loss_scale
+        rows.append([variant, *(column[i] for column in formatted), "-" if scale is None else f"{scale:g}"])
+    return render(header, rows)
+
+
+def logprob_table(report: PrecisionReport) -> list[str]:
+    """Chosen-token log-probabilities, one row per variant: relative errors, the linear fit, the |logpi|
+    scale, and the log-ratio delta = logpi_variant - logpi_reference (in nats)."""
+    rows_by_variant = {v: [r for r in report.records(v, "logprob")] for v in report.variants}
+    records = [rows[0] for rows in rows_by_variant.values() if rows]
+    if not records:
+        return []
+    variants = [v for v, rows in rows_by_variant.items() if rows]
+    relative = {m: percent_column([r.metric(m) for r in records]) for m in ("rms_rel", "bias_rel", "residual_rms_rel")}
+    header = ["logprob", "rms_rel", "bias_rel", "resid_rel", "corr", "slope", "max_abs", "scale"]
+    header += ["delta_mean", "delta_rms", "delta_max", "clip", "kl_mean", "top1"]
+    rows = []
+    for i, (variant, r) in enumerate(zip(variants, records, strict=True)):
+        rows.append(
+            [
+                variant,
+                relative["rms_rel"][i],
+                relative["bias_rel"][i],
+                relative["residual_rms_rel"][i],
+                _plain(r.correlation, ".6f"),
+                _plain(r.slope, ".5f"),
+                _plain(r.max_abs, ".3g"),
+                _plain(r.ref_rms, ".3g"),
+                _plain(r.delta_mean, ".2e"),
+                _plain(r.delta_rms, ".3g"),
+                _plain(r.delta_max_abs, ".3g"),
+                _plain(None if r.clip_fraction is None else r.clip_fraction * 100, ".2f") + "%",
+                _plain(r.kl_mean, ".2e"),
+                _plain(None if r.top1_agreement is None else r.top1_agreement * 100, ".1f") + "%",
+            ]
+        )
+    return render(header, rows)
+
+
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
     """The summary tables, then (with `full`) each variant's per-tensor table."""
     reference = report.reference.variant.get("name", "fp32")
@@ -125,13 +197,13 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         table = summary_table(report, kind, metric)
         if table:
             lines += ["", *table]
-    loss_rows = [
-        [v, *percent_column([report.get(v, "loss", "loss").metric(metric)])]
-        for v in report.variants
-        if any(r.kind == "loss" for r in report.records(v))
-    ]
-    if loss_rows:
-        lines += ["", *render(["loss", metric], loss_rows)]
+    for table in (gradient_category_table(report, metric), logprob_table(report)):
+        if table:
+            lines += ["", *table]
+    with_loss = [v for v in report.variants if any(r.kind == "loss" for r in report.records(v))]
+    if with_loss:
+        losses = percent_column([report.get(v, "loss", "loss").metric(metric) for v in with_loss])
+        lines += ["", *render(["loss", metric], [[v, losses[i]] for i, v in enumerate(with_loss)])]
     if full:
         for variant in report.variants:
             lines += [

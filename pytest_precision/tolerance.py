@@ -243,7 +243,7 @@ def check_limits(
                         )
         if not matched:
             raise ConfigurationError(
-                f"limits: {key!r} matches no tensor name or kind of this report (kinds: fw, bw, grad, loss; "
+                f"limits: {key!r} matches no tensor name or kind of this report (kinds: fw, logprob, loss, bw, grad; "
                 "names are matched with re.search)"
             )
     return violations

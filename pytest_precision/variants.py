@@ -135,6 +135,11 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         Variant("bf16_fp32_head", dtype="bfloat16", fp32_modules=(HEAD_MODULE,)),
         Variant("fp16_fp32_head", dtype="float16", fp32_modules=(HEAD_MODULE,)),
         Variant("bf16_reduced_reduction", dtype="bfloat16", backend={_REDUCED_REDUCTION: True}),
+        # Attention implementations of transformers models, each against the reference's own.
+        Variant("fp32_eager", dtype="float32", attn_implementation="eager"),
+        Variant("fp32_sdpa", dtype="float32", attn_implementation="sdpa"),
+        Variant("bf16_eager", dtype="bfloat16", attn_implementation="eager"),
+        Variant("bf16_sdpa", dtype="bfloat16", attn_implementation="sdpa"),
     )
 }
 

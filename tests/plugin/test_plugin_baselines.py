@@ -65,20 +65,27 @@ def test_update_writes_a_reviewable_file_then_leaves_it_alone(pytester, monkeypa
                 assert_sorted(item)
 
     json.loads(text, object_pairs_hook=lambda pairs: assert_sorted(dict(pairs)) or dict(pairs))
-    # One record per line: the embedding, 3 blocks, norm and head in forward, loss, backward and grads.
+    # One record per line: the embedding, 3 blocks and norm in forward, the chosen-token log-probabilities,
+    # loss, backward (the logits' gradient first) and grads.
     lines = {line.strip().rstrip(",") for line in text.splitlines()}
     written = list(records(data))
-    assert len(written) == 21
+    assert len(written) == 23
     for _, record in written:
         assert json.dumps(record, sort_keys=True) in lines
-    assert record_rows(path)[:6] == [
+    assert record_rows(path)[:8] == [
         ("embed", "fw"),
         ("blocks.0", "fw"),
         ("blocks.1", "fw"),
         ("blocks.2", "fw"),
         ("norm", "fw"),
+        ("logprob", "logprob"),
         ("loss", "loss"),
+        ("logits", "bw"),
     ]
+    # The log-probability statistics are written on the logprob line only, not as nulls on every other line.
+    with_delta = [record["kind"] for _, record in written if "delta_mean" in record]
+    assert with_delta == ["logprob"]
+    assert data["variants"]["bf16"]["run"]["loss_scale"] is None  # only fp16 runs scale the loss
 
     before = path.read_bytes(), os.stat(path).st_mtime_ns
     result = run(pytester, "--update-baselines")

@@ -28,15 +28,16 @@ def test_injected_regression_names_the_first_degraded_tensor(pytester, monkeypat
     result.assert_outcomes(failed=1)
     section = failure(result, "test_name")
     assert re.fullmatch(
-        r"precision regressed: \d+ / 21 tensors \(\d+\.\d%\) in 1 variant\(s\); first: bf16 blocks\.1 \(fw\)",
+        r"precision regressed: \d+ / 23 tensors \(\d+\.\d%\) in 1 variant\(s\); first: bf16 blocks\.1 \(fw\)",
         section[0],
     ), section[0]
     rows = table_rows(section)
     assert rows[0][:4] == ["bf16", "blocks.1", "fw", "rms_rel"]
     assert rows[0][6].endswith("x") and float(rows[0][6][:-1]) > 2  # the ratio: at least doubled
-    # Rows in execution order: forward, loss, backward, gradients; block 0 and the embedding are untouched.
+    # Rows in execution order: forward, log-probabilities, loss, backward, gradients; block 0 and the
+    # embedding are untouched.
     kinds = [row[2] for row in rows]
-    assert kinds == sorted(kinds, key=["fw", "loss", "bw", "grad"].index)
+    assert kinds == sorted(kinds, key=["fw", "logprob", "loss", "bw", "grad"].index)
     assert ["bf16", "blocks.0", "fw"] not in [row[:3] for row in rows]
     assert ["bf16", "embed", "fw"] not in [row[:3] for row in rows]
     assert ["bf16", "blocks.1", "bw"] in [row[:3] for row in rows]
@@ -59,7 +60,7 @@ TOLERANCE_TESTS = """
 import pytest
 from tinymodel import run
 
-EVERY_KIND = {kind: {"rtol": 100} for kind in ("fw", "loss", "bw", "grad")}
+EVERY_KIND = {kind: {"rtol": 100} for kind in ("fw", "logprob", "loss", "bw", "grad")}
 
 
 def test_default(precision, assert_precision_within):
@@ -251,7 +252,7 @@ def test_limits_hold_without_a_baseline(pytester, monkeypatch):
     no_match = [line for line in failure(result, "test_no_such_tensor") if line.startswith("ConfigurationError")]
     assert no_match == [
         "ConfigurationError: limits: 'decoder_layers' matches no tensor name or kind of this report "
-        "(kinds: fw, bw, grad, loss; names are matched with re.search)"
+        "(kinds: fw, logprob, loss, bw, grad; names are matched with re.search)"
     ]
     assert_no_traceback(result)
     # A limit key that matches nothing is an error before anything is written, and a run breaking its limits
@@ -288,8 +289,8 @@ def test_unknown_variant_lists_the_builtins(pytester, monkeypatch):
     assert len(section) < 10
     message = (
         "ConfigurationError: variants: unknown variant 'bf17'. Built-in variants: fp64, fp32, tf32, bf16, fp16, "
-        "bf16_autocast, fp16_autocast, bf16_fp32_head, fp16_fp32_head, bf16_reduced_reduction; or pass "
-        "pytest_precision.Variant(name=..., dtype=..., ...)"
+        "bf16_autocast, fp16_autocast, bf16_fp32_head, fp16_fp32_head, bf16_reduced_reduction, fp32_eager, "
+        "fp32_sdpa, bf16_eager, bf16_sdpa; or pass pytest_precision.Variant(name=..., dtype=..., ...)"
     )
     assert message in section
     assert "precision tables" not in result.stdout.str()

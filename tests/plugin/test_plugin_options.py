@@ -83,8 +83,16 @@ def test_precision_tables(pytester, monkeypatch):
         "  fw    first (embed)  mid median  mid max  last (norm)",
         "  bf16  *%  *%  *%  *%",
         "  fp16  *%  *%  *%  *%",
-        "  bw    first (norm) * last (blocks.0)",
+        "  bw    first (logits) * last (blocks.0)",
         "  grad  first (head.bias) * last (embed.weight)",
+        # Gradients by category; the head has no get_output_embeddings(), so it counts as a linear weight.
+        "  grad  lm_head  linear med  linear max  norm med  norm max  bias med  bias max  embedding  loss scale",
+        "  bf16  *n/a *% *% *% *% *% *% *%  *-",  # no loss scale
+        "  fp16  *n/a *% *% *% *% *% *% *%  *[1-9]*[0-9]",  # a loss scale
+        "  logprob  rms_rel *bias_rel *resid_rel *corr *slope *max_abs *scale *delta_mean *delta_rms *delta_max"
+        " *clip *kl_mean *top1",
+        "  bf16 *%",
+        "  fp16 *%",
         "  loss  rms_rel",
         "precision baselines (compare, baselines): 1 passed",
     ]

@@ -31,7 +31,10 @@ LLAMA_FW = [
     "model.norm",
     "lm_head",
 ]
-LLAMA_BW = ["lm_head", "model.norm", "model.layers.3", "model.layers.2", "model.layers.1", "model.layers.0"]
+#: Gradients at the captured modules' inputs, in backward order (no embedding row: its input is integer ids).
+LLAMA_MODULE_BW = ["lm_head", "model.norm", "model.layers.3", "model.layers.2", "model.layers.1", "model.layers.0"]
+#: Every bw row of a causal LM: the gradient at the logits fires first, then the modules' input gradients.
+LLAMA_BW = ["logits", *LLAMA_MODULE_BW]
 
 
 def make_batch(**overrides: Any) -> dict[str, torch.Tensor]:
@@ -60,7 +63,11 @@ def rms(tensor: torch.Tensor) -> float:
 def fp32_oracle(
     model: nn.Module, inputs: dict[str, torch.Tensor], modules: list[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """fw outputs, bw input gradients and parameter gradients of an fp32 eval-mode copy, by hand."""
+    """fw outputs, bw input gradients and parameter gradients of an fp32 eval-mode copy, by hand.
+
+    Also, under the names the report uses: fw["logprob"], the chosen-token log-probabilities
+    log_softmax(logits[:, :-1])[labels[:, 1:]], and bw["logits"], the gradient at the logits.
+    """
     model = copy.deepcopy(model).eval()
     fw: dict[str, torch.Tensor] = {}
     bw: dict[str, torch.Tensor] = {}
@@ -86,7 +93,12 @@ def fp32_oracle(
     for name in modules:
         handles.append(by_name[name].register_forward_pre_hook(pre(name), with_kwargs=True))
         handles.append(by_name[name].register_forward_hook(post(name)))
-    model(**inputs).loss.backward()
+    output = model(**inputs)
+    output.logits.register_hook(lambda g: bw.__setitem__("logits", g.detach().clone()))
+    targets = inputs["labels"][:, 1:].clamp_min(0)
+    log_softmax = torch.log_softmax(output.logits.detach()[:, :-1].float(), dim=-1)
+    fw["logprob"] = log_softmax.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    output.loss.backward()
     for handle in handles:
         handle.remove()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -102,6 +114,8 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
     report = compare(llama, make_batch(), [name])
     assert report.variants == [name]
     assert names(report.records(name, "fw")) == LLAMA_FW
+    assert names(report.records(name, "logprob")) == ["logprob"]
+    assert report.get(name, "logprob", "logprob").shape == (2, 31)
     assert names(report.records(name, "bw")) == LLAMA_BW
     assert len(report.records(name, "grad")) == len(list(llama.parameters()))
     assert len(report.records(name, "loss")) == 1
@@ -112,9 +126,18 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
     run = report.runs[name]
     assert run.variant["name"] == name and run.variant["dtype"] == variant.dtype
     assert run.parameter_dtypes == {variant.weight_dtype: len(list(llama.parameters()))}
+    # Only fp16 runs scale the loss, by a power of two.
+    if variant.dtype == "float16":
+        assert run.loss_scale is not None and run.loss_scale >= 1 and math.log2(run.loss_scale).is_integer()
+    else:
+        assert run.loss_scale is None
     lm_head = report.get(name, "lm_head").rms_rel
-    if name == "fp32":
+    if name in ("fp32", "fp32_eager"):  # tiny_llama computes eager attention already
         assert lm_head == 0
+        assert all(r.rms_abs == 0 for r in report.records(name)), name
+    elif name == "fp32_sdpa":  # another attention kernel in fp32: rounding-level differences at most
+        assert lm_head < 1e-5
+        assert all(r.rms_rel < 1e-5 for r in report.records(name)), name
     elif name == "tf32":
         assert lm_head < 0.01  # no effect on most CPUs; at most TF32-sized error where mkldnn has TF32
     elif variant.dtype == "float64":
@@ -125,11 +148,17 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
 
 def test_fp32_variant_is_exact(llama_report: PrecisionReport) -> None:
     records = llama_report.records("fp32")
-    assert {r.kind for r in records} == {"fw", "bw", "grad", "loss"}
+    assert {r.kind for r in records} == {"fw", "logprob", "bw", "grad", "loss"}
     for record in records:
         assert record.rms_abs == 0, (record.name, record.kind)
         assert record.max_abs == 0, (record.name, record.kind)
         assert record.sqnr_db == math.inf
+    # The log-ratio and whole-distribution statistics of the chosen-token log-probabilities are exact too.
+    logprob = llama_report.get("fp32", "logprob", "logprob")
+    assert logprob.delta_mean == 0 and logprob.delta_rms == 0 and logprob.delta_max_abs == 0
+    assert logprob.seq_delta_max == 0 and logprob.clip_fraction == 0
+    assert logprob.kl_mean == 0 and logprob.kl_max == 0
+    assert logprob.top1_agreement == 1
 
 
 def test_bf16_error_is_nonzero_and_grows_with_depth(llama_report: PrecisionReport) -> None:
@@ -171,7 +200,9 @@ def test_llama_rows_match_a_hand_written_capture(llama: nn.Module, llama_report:
     fw, bw, grads = fp32_oracle(llama, batch, LLAMA_FW)
     records = llama_report.records("bf16")
     assert names([r for r in records if r.kind == "fw"]) == LLAMA_FW
-    assert names([r for r in records if r.kind == "bw"]) == LLAMA_BW  # backward order, no embedding row
+    assert names([r for r in records if r.kind == "logprob"]) == ["logprob"]
+    # Backward order: the logits' gradient, then the modules' input gradients; no embedding row.
+    assert names([r for r in records if r.kind == "bw"]) == LLAMA_BW
     grad_names = names([r for r in records if r.kind == "grad"])
     assert sorted(grad_names) == sorted(n for n, _ in llama.named_parameters())
     for name in LLAMA_FW:
@@ -179,15 +210,23 @@ def test_llama_rows_match_a_hand_written_capture(llama: nn.Module, llama_report:
         assert record.shape == tuple(fw[name].shape)
         assert record.count == fw[name].numel()
         assert record.ref_rms == pytest.approx(rms(fw[name]), rel=1e-6), name
+    record = llama_report.get("bf16", "logprob", "logprob")
+    assert record.shape == tuple(fw["logprob"].shape) == (2, 31)
+    assert record.count == fw["logprob"].numel()
+    assert record.ref_rms == pytest.approx(rms(fw["logprob"]), rel=1e-6)
     for name in LLAMA_BW:
         record = llama_report.get("bf16", name, "bw")
         assert record.shape == tuple(bw[name].shape)
-        assert record.ref_rms == pytest.approx(rms(bw[name]), rel=1e-5), name
+        # The last position's logits predict nothing: their gradient is zero and is not counted.
+        counted = bw[name][:, :-1] if name == "logits" else bw[name]
+        assert record.count == counted.numel(), name
+        assert record.ref_rms == pytest.approx(rms(counted), rel=1e-5), name
     for name in grad_names:
         record = llama_report.get("bf16", name, "grad")
         assert record.shape == tuple(grads[name].shape)
         assert record.ref_rms == pytest.approx(rms(grads[name]), rel=1e-5), name
     assert llama_report.get("bf16", "lm_head").shape == (2, 32, 256)
+    assert llama_report.get("bf16", "logits", "bw").shape == (2, 32, 256)
     assert llama_report.get("bf16", "loss", "loss").count == 1
 
 
@@ -214,13 +253,18 @@ def test_tied_models_report_the_tied_parameter_once(factory: Any, fw_names: list
     assert names(report.records("bf16", "fw")) == fw_names
     bw_names = names(report.records("bf16", "bw"))
     assert fw_names[0] not in bw_names
-    assert bw_names[0] == "lm_head" and bw_names[-1] == fw_names[1]
+    assert bw_names[:2] == ["logits", "lm_head"] and bw_names[-1] == fw_names[1]
     grad_names = names(report.records("bf16", "grad"))
     assert len(grad_names) == len(set(grad_names))
     assert Counter(grad_names)[tied] == 1
     assert "lm_head.weight" not in grad_names
     assert set(grad_names) == {n for n, _ in model.named_parameters()}
     assert report.runs["bf16"].parameter_dtypes == {"bfloat16": len(grad_names)}
+    # The gradient categories hold the tied parameter once too, as the embedding.
+    assert report.reference.tied_head is True
+    assert set(report.reference.parameter_categories) == set(grad_names)
+    assert report.reference.parameter_categories[tied] == "embedding"
+    assert "n/a (tied)" in report.format(full=False)  # no separate head gradient to show
 
 
 def test_bf16_keeps_floating_buffers_fp32(llama: nn.Module, llama_report: PrecisionReport) -> None:
@@ -616,10 +660,17 @@ def test_padding_and_ignored_labels_are_excluded(llama: nn.Module) -> None:
         assert record.count == positions * width, name
         assert record.shape == (2, 32, width)
         assert record.ref_rms == pytest.approx(rms(fw[name][counted]), rel=1e-6), name
-    for name in LLAMA_BW:
+    for name in LLAMA_MODULE_BW:
         record = report.get("bf16", name, "bw")
         assert record.count == positions * 64, name
         assert record.ref_rms == pytest.approx(rms(bw[name][counted]), rel=1e-5), name
+    # Log-probabilities count a position t when it and t + 1 are attended and its target labels[t + 1] counts.
+    predicted = (attention[:, 1:] != 0) & (attention[:, :-1] != 0) & (labels[:, 1:] != -100)
+    assert int(predicted.sum()) == (31 - 3) + (31 - 8)
+    record = report.get("bf16", "logprob", "logprob")
+    assert record.shape == (2, 31)
+    assert record.count == int(predicted.sum())
+    assert record.ref_rms == pytest.approx(rms(fw["logprob"][predicted]), rel=1e-6)
     weight = report.get("bf16", "lm_head.weight", "grad")
     assert weight.count == llama.lm_head.weight.numel()  # parameter gradients are never masked
     assert report.runs["bf16"].token_count == positions
@@ -653,7 +704,7 @@ def test_backward_without_loss_asks_for_loss_fn(llama: nn.Module) -> None:
 
 def test_forward_only_without_loss(llama: nn.Module) -> None:
     report = compare(llama, {"input_ids": random_tokens()}, ["bf16"], backward=False)
-    assert {r.kind for r in report.records("bf16")} == {"fw"}
+    assert {r.kind for r in report.records("bf16")} == {"fw", "logprob"}  # log-probabilities need no loss
 
 
 def test_non_scalar_loss(llama: nn.Module) -> None:
@@ -728,10 +779,12 @@ def test_output_head_needs_get_output_embeddings() -> None:
 def test_forward_only_gives_the_same_forward_numbers(llama: nn.Module, llama_report: PrecisionReport) -> None:
     report = compare(llama, make_batch(), ["fp32", "bf16", "fp16"], backward=False)
     for variant in ("fp32", "bf16", "fp16"):
-        assert {r.kind for r in report.records(variant)} == {"fw", "loss"}
+        assert {r.kind for r in report.records(variant)} == {"fw", "logprob", "loss"}
         assert report.records(variant, "fw") == llama_report.records(variant, "fw")
+        assert report.records(variant, "logprob") == llama_report.records(variant, "logprob")
         assert report.records(variant, "loss") == llama_report.records(variant, "loss")
         assert report.missing[variant] == []
+        assert report.runs[variant].loss_scale is None  # nothing to scale without a backward pass
 
 
 # --- the report ------------------------------------------------------------------------------------------
@@ -772,7 +825,18 @@ def test_report_format(llama_report: PrecisionReport) -> None:
     text = llama_report.format()
     assert "first (model.embed_tokens)" in text
     assert "last (lm_head)" in text
-    assert "first (lm_head)" in text and "last (model.layers.0)" in text  # the backward summary
+    assert "first (logits)" in text and "last (model.layers.0)" in text  # the backward summary
+    lines = text.splitlines()
+    # Gradients by parameter category (the untied head has its own column), with each run's loss scale.
+    (category,) = [i for i, line in enumerate(lines) if line.split()[:3] == ["grad", "lm_head", "linear"]]
+    header = " ".join(lines[category].split())
+    assert header == "grad lm_head linear med linear max norm med norm max embedding loss scale"  # no biases
+    scales = {line.split()[0]: line.split()[-1] for line in lines[category + 1 : category + 4]}
+    assert scales == {"fp32": "-", "bf16": "-", "fp16": f"{llama_report.runs['fp16'].loss_scale:g}"}
+    # Chosen-token log-probabilities, one row per variant.
+    (logprob,) = [i for i, line in enumerate(lines) if line.split()[:2] == ["logprob", "rms_rel"]]
+    assert [line.split()[0] for line in lines[logprob + 1 : logprob + 4]] == ["fp32", "bf16", "fp16"]
+    assert "n/a (tied)" not in text
     for variant in llama_report.variants:
         assert variant in text
     assert str(llama_report) == text

@@ -29,6 +29,10 @@ EXPECTED_BUILTINS = {
     "bf16_fp32_head": ("bfloat16", False),
     "fp16_fp32_head": ("float16", False),
     "bf16_reduced_reduction": ("bfloat16", False),
+    "fp32_eager": ("float32", False),
+    "fp32_sdpa": ("float32", False),
+    "bf16_eager": ("bfloat16", False),
+    "bf16_sdpa": ("bfloat16", False),
 }
 
 
@@ -55,6 +59,15 @@ def test_builtin_specifics() -> None:
         "cuda.matmul.allow_bf16_reduced_precision_reduction": True
     }
     assert BUILTIN_VARIANTS["bf16"].backend == {}
+    for name, implementation in [
+        ("fp32_eager", "eager"),
+        ("fp32_sdpa", "sdpa"),
+        ("bf16_eager", "eager"),
+        ("bf16_sdpa", "sdpa"),
+    ]:
+        assert BUILTIN_VARIANTS[name].attn_implementation == implementation, name
+    assert BUILTIN_VARIANTS["fp32_sdpa"].matmul_precision == "highest"
+    assert BUILTIN_VARIANTS["bf16"].attn_implementation is None
 
 
 def test_unknown_name_lists_valid_names() -> None:
@@ -109,7 +122,9 @@ def test_reference_accepts_fp32_and_fp64(name: str) -> None:
     assert resolve_reference(name) is BUILTIN_VARIANTS[name]
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp16", "bf16_autocast", "fp16_autocast", "bf16_fp32_head"])
+@pytest.mark.parametrize(
+    "name", ["bf16", "fp16", "bf16_autocast", "fp16_autocast", "bf16_fp32_head", "bf16_eager", "bf16_sdpa"]
+)
 def test_reference_rejects_low_precision(name: str) -> None:
     with pytest.raises(ConfigurationError, match="reference"):
         resolve_reference(name)
