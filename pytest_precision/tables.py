@@ -181,12 +181,29 @@ def logprob_table(report: PrecisionReport) -> list[str]:
                 _plain(r.delta_mean, ".2e"),
                 _plain(r.delta_rms, ".3g"),
                 _plain(r.delta_max_abs, ".3g"),
-                _plain(None if r.clip_fraction is None else r.clip_fraction * 100, ".2f") + "%",
+                _percent(r.clip_fraction, 2),
                 _plain(r.kl_mean, ".2e"),
-                _plain(None if r.top1_agreement is None else r.top1_agreement * 100, ".1f") + "%",
+                _percent(r.top1_agreement, 1),
             ]
         )
     return render(header, rows)
+
+
+def decomposition_table(report: PrecisionReport) -> list[str]:
+    """Cross-engine rows: delta = floor + (e_a - e_b), each side's error against its own reference."""
+    rows = [
+        [
+            variant,
+            _plain(r.rho, ".4f"),
+            *(_plain(r.metric(m), ".3g") for m in ("rms_e_a", "rms_e_b", "rms_e_diff", "rms_floor")),
+        ]
+        for variant in report.variants
+        for r in report.records(variant, "logprob")
+        if r.rho is not None or r.rms_e_a is not None
+    ]
+    if not rows:
+        return []
+    return render(["decomposition", "rho", "rms_e_a", "rms_e_b", "rms_e_diff", "rms_floor"], rows)
 
 
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
@@ -197,7 +214,7 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         table = summary_table(report, kind, metric)
         if table:
             lines += ["", *table]
-    for table in (gradient_category_table(report, metric), logprob_table(report)):
+    for table in (gradient_category_table(report, metric), logprob_table(report), decomposition_table(report)):
         if table:
             lines += ["", *table]
     with_loss = [v for v in report.variants if any(r.kind == "loss" for r in report.records(v))]

@@ -545,3 +545,15 @@ def test_all_nonfinite_variant_still_reports():
     record = record_of(compare_logprobs(np.full(b.shape, math.nan), b))
     assert record.nonfinite == 10 and record.count == 0
     assert record.rms_rel is None and record.delta_rms is None
+
+
+def test_format_shows_the_decomposition_and_no_undefined_percentages():
+    rng = np.random.default_rng(1)
+    ref = -np.abs(rng.normal(2.0, 1.0, 200))
+    a = ref + rng.normal(0, 0.01, 200)
+    b = ref + rng.normal(0, 0.02, 200)
+    text = compare_logprobs(a, b, ref_a=ref, ref_b=ref).format()
+    assert "decomposition  rho  rms_e_a  rms_e_b  rms_e_diff  rms_floor".split() == next(
+        line.split() for line in text.splitlines() if line.strip().startswith("decomposition")
+    )
+    assert "n/a%" not in text
