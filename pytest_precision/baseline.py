@@ -36,7 +36,8 @@ def baseline_path(directory: Path, test_file: str, stem: str, device_key: str) -
     return directory / relative / f"{stem}.{device_key}.json"
 
 
-def _rounded(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
+    """Floats rounded to SIGNIFICANT_DIGITS, NaN as null, infinities as \"inf\" / \"-inf\"."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -46,9 +47,9 @@ def _rounded(value: Any) -> Any:
             return "inf" if value > 0 else "-inf"
         return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
     if isinstance(value, dict):
-        return {str(k): _rounded(v) for k, v in value.items()}
+        return {str(k): json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_rounded(v) for v in value]
+        return [json_ready(v) for v in value]
     return str(value)
 
 
@@ -72,7 +73,7 @@ def payload(report: PrecisionReport, test_id: str) -> dict[str, Any]:
             "records": [report_record(r) for r in report.records(name)],
         }
     reference = report.reference.to_dict()
-    rounded: dict[str, Any] = _rounded(
+    rounded: dict[str, Any] = json_ready(
         {
             "schema_version": SCHEMA_VERSION,
             "test": test_id,
@@ -194,7 +195,7 @@ def write_atomically(path: Path, text: str) -> None:
 def document(report: PrecisionReport, test_id: str, environment: dict[str, Any]) -> dict[str, Any]:
     """The whole baseline file content for a report."""
     data = payload(report, test_id)
-    data["environment"] = _rounded(environment)
+    data["environment"] = json_ready(environment)
     return data
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -188,3 +189,126 @@ def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backwa
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every floating tensor in a nest of tensors, tuples/lists, dicts and model outputs."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _floating_tensors(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _floating_tensors(item)
+
+
+def _all_finite(value: Any) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(t).all()) for t in _floating_tensors(value))
+
+
+class NonfiniteTrace:
+    """Where a run's first NaN/Inf appeared: the first module (in execution order) whose forward output
+    was non-finite while its floating inputs were finite, else the first (in backward order) whose
+    gradient at its inputs or parameters was non-finite while the gradient at its output was finite."""
+
+    def __init__(self) -> None:
+        self.forward: str | None = None
+        self.backward: str | None = None
+
+    def origin(self) -> str | None:
+        """`"name (fw)"`, `"name (bw)"`, or None when every tensor stayed finite (or no module was to blame)."""
+        if self.forward is not None:
+            return f"{self.forward} (fw)"
+        if self.backward is not None:
+            return f"{self.backward} (bw)"
+        return None
+
+
+@contextlib.contextmanager
+def _removed(handles: list[Any]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def trace_nonfinite(model: nn.Module, *, backward: bool) -> Iterator[NonfiniteTrace]:
+    """Watch every module of `model` for the first non-finite value, with hooks that are always removed.
+
+    Costs a device synchronisation per module and tensor: for a diagnostic run only.
+    """
+    trace = NonfiniteTrace()
+    handles: list[Any] = []
+    # Per module, a stack of "inputs were finite" (a module may be re-entered before it returns).
+    inputs_finite: dict[str, list[bool]] = {}
+    output_grad_finite: dict[str, bool] = {}
+
+    def make_hooks(
+        name: str,
+    ) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None], Callable[..., None]]:
+        def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            inputs_finite.setdefault(name, []).append(trace.forward is None and _all_finite((args, kwargs)))
+
+        def after(_module: nn.Module, _args: Any, output: Any) -> None:
+            stack = inputs_finite.get(name)
+            finite_in = stack.pop() if stack else False
+            if trace.forward is None and finite_in and not _all_finite(output):
+                trace.forward = name
+
+        def before_backward(_module: nn.Module, grad_output: Any) -> None:
+            output_grad_finite[name] = _all_finite(grad_output)
+
+        def after_backward(_module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if trace.backward is None and _all_finite(grad_output) and not _all_finite(grad_input):
+                trace.backward = name
+
+        return before, after, before_backward, after_backward
+
+    with warnings.catch_warnings(), _removed(handles):
+        # Full backward hooks warn about modules whose output is not a tensor (a model's output dataclass)
+        # or whose inputs need no gradient (the embedding): expected here, and harmless.
+        warnings.filterwarnings("ignore", message="For backward hooks to be called", category=UserWarning)
+        warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
+        owners: dict[int, str] = {}
+        for name, module in model.named_modules():
+            label = name or type(model).__name__
+            before, after, before_backward, after_backward = make_hooks(label)
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+            handles.append(module.register_forward_hook(after))
+            if backward:
+                handles.append(module.register_full_backward_pre_hook(before_backward))
+                handles.append(module.register_full_backward_hook(after_backward))
+                for parameter in module.parameters(recurse=False):
+                    owners.setdefault(id(parameter), label)
+        if backward:
+            import torch
+
+            def make_grad_hook(owner: str) -> Callable[[torch.Tensor], None]:
+                def accumulated(parameter: torch.Tensor) -> None:
+                    # A parameter's gradient overflowing while its module's output gradient was finite.
+                    if (
+                        trace.backward is None
+                        and output_grad_finite.get(owner, False)
+                        and parameter.grad is not None
+                        and not bool(torch.isfinite(parameter.grad).all())
+                    ):
+                        trace.backward = owner
+
+                return accumulated
+
+            for parameter in model.parameters():
+                if parameter.requires_grad and id(parameter) in owners:
+                    handles.append(
+                        parameter.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                            make_grad_hook(owners[id(parameter)])
+                        )
+                    )
+        yield trace

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, apply_mask, to_batch
-from .capture import capture, select_modules
+from .capture import NonfiniteTrace, capture, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
@@ -170,8 +170,10 @@ class _Runner:
         temperature: float,
         clip_eps: float,
         logprob_dtype: torch.dtype,
+        repeats: int = 1,
     ) -> None:
         self.source = source
+        self.repeats = repeats
         self.batch = batch
         self.device = device
         self.loss_fn = loss_fn
@@ -195,8 +197,14 @@ class _Runner:
                 attention.to(device) if attention is not None and attention.dim() == 2 else None,
             )
 
-    def run(self, variant: Variant, sink: Sink, loss_scale: float = 1.0) -> RunInfo:
-        """One run of `variant`, streaming its tensors to `sink`; the loss is multiplied by `loss_scale`."""
+    def run(
+        self, variant: Variant, sink: Sink, loss_scale: float = 1.0, *, origin: dict[str, str] | None = None
+    ) -> RunInfo:
+        """One run of `variant`, streaming its tensors to `sink`; the loss is multiplied by `loss_scale`.
+
+        With `origin`, every module is watched for the first NaN/Inf and `origin[variant.name]` is set to
+        where it appeared (see capture.trace_nonfinite), when it did.
+        """
         import torch
 
         with pinned_backend(variant, self.device.type) as flags:
@@ -210,7 +218,10 @@ class _Runner:
             autocast = torch.autocast(
                 device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
             )
-            with capture(model, self.module_names, sink, backward=self.backward):
+            watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
+            if origin is not None:
+                watch = trace_nonfinite(model, backward=self.backward)
+            with watch as trace, capture(model, self.module_names, sink, backward=self.backward):
                 with torch.set_grad_enabled(self.backward), autocast:
                     try:
                         output = model(*args, **kwargs)
@@ -237,6 +248,9 @@ class _Runner:
                             "grad?); pass backward=False to compare forward tensors only"
                         )
                     (loss * loss_scale if loss_scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
+            if trace is not None and (where := trace.origin()) is not None:
+                assert origin is not None
+                origin[variant.name] = where
             categories, tied = parameter_categories(model)
             info = RunInfo(
                 variant=variant.to_dict(),
@@ -247,6 +261,7 @@ class _Runner:
                 backend=flags_to_dict(flags),
                 parameter_categories=categories,
                 tied_head=tied,
+                repeats=self.repeats,
             )
             del model, output, loss
         return info
@@ -348,17 +363,69 @@ class _VariantPass:
         self.records.append(Record.from_error(name, kind, tuple(tensor.shape), error, **extra))
 
 
+class _ReferenceNoise:
+    """A repeat of the reference, each tensor compared to the stored first run when produced, then dropped:
+    keeps, per tensor, the largest rms_rel of any repeat against the first run (0 on a deterministic device).
+    """
+
+    def __init__(self, runner: _Runner, stored: Mapping[TensorKey, torch.Tensor]) -> None:
+        self.runner = runner
+        self.stored = stored
+        self.noise: dict[TensorKey, float] = {}
+
+    def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        key = (name, kind)
+        expected = self.stored.get(key)
+        if kind == LOGITS_KIND or expected is None or tuple(expected.shape) != tuple(tensor.shape):
+            return
+        masked = self.runner.masked
+        error = tensor_error(masked(name, kind, expected), masked(name, kind, tensor.detach()))
+        value = error.rms_rel if error.rms_rel is not None and math.isfinite(error.rms_rel) else 0.0
+        self.noise[key] = max(self.noise.get(key, 0.0), value)
+
+
+def _rms_rels(records: Sequence[Record]) -> dict[TensorKey, float]:
+    """Each record's rms_rel, where defined and finite: all a repeat keeps of its pass."""
+    return {(r.name, r.kind): r.rms_rel for r in records if r.rms_rel is not None and math.isfinite(r.rms_rel)}
+
+
+def _with_spread(
+    records: Sequence[Record], passes: Sequence[Mapping[TensorKey, float]], noise: Mapping[TensorKey, float]
+) -> list[Record]:
+    """`records` with `spread`: max - min of rms_rel over the variant's passes plus the reference's noise
+    (None where no pass defines rms_rel)."""
+    spread_records = []
+    for record in records:
+        key = (record.name, record.kind)
+        seen = [values[key] for values in passes if key in values]
+        spread = None if not seen else (max(seen) - min(seen)) + noise.get(key, 0.0)
+        spread_records.append(dataclasses.replace(record, spread=spread))
+    return spread_records
+
+
+#: Kinds whose NaN/Inf trigger a diagnostic run to find where they started.
+NONFINITE_KINDS = ("fw", "bw", "grad", "logprob", "loss")
+
+
 def _measure_variant(
     runner: _Runner,
     variant: Variant,
     stored: Mapping[TensorKey, torch.Tensor],
     loss_scale: float | None,
+    *,
+    repeats: int = 1,
+    noise: Mapping[TensorKey, float] | None = None,
+    origin: dict[str, str] | None = None,
 ) -> tuple[RunInfo, list[Record]]:
     """Run `variant` against the stored reference tensors.
 
     A variant computing in fp16 gets its loss scaled (fp16 gradients underflow without it): by `loss_scale`
     when given, else by a calibration pass; the gradients are unscaled in float64 before comparison, and a
     scaled pass whose gradients overflow is retried at half the scale.
+
+    With `repeats` > 1 the variant runs that many times at the first pass's loss scale; each record (the
+    first pass's) gets its `spread` (see compare). With `origin`, a pass producing NaN/Inf is followed by a
+    diagnostic run locating where they started, stored in `origin[variant.name]`.
     """
     scaled = runner.backward and variant.dtype == "float16"
     scale = 1.0
@@ -370,7 +437,20 @@ def _measure_variant(
         if not (scaled and measured.overflowed and scale > 1):
             break
         scale /= 2
-    return (dataclasses.replace(info, loss_scale=scale) if scaled else info), measured.records
+    records = measured.records
+    if origin is not None and any(r.nonfinite for r in records if r.kind in NONFINITE_KINDS):
+        # A repeat of a run that succeeded: a failure here comes from the watching hooks (full backward
+        # hooks refuse some in-place ops), and only costs the diagnosis, not the comparison.
+        with contextlib.suppress(Exception):
+            runner.run(variant, lambda name, kind, tensor: None, scale, origin=origin)
+    if repeats > 1:
+        passes = [_rms_rels(records)]
+        for _ in range(repeats - 1):
+            again = _VariantPass(runner, variant, stored, scale)
+            runner.run(variant, again.measure, scale)
+            passes.append(_rms_rels(again.records))
+        records = _with_spread(records, passes, noise or {})
+    return (dataclasses.replace(info, loss_scale=scale) if scaled else info), records
 
 
 LossScale = float | Mapping[str, float] | None
@@ -398,6 +478,7 @@ def compare(
     temperature: float = 1.0,
     clip_eps: float = DEFAULT_CLIP_EPS,
     loss_scale: LossScale = None,
+    repeats: int = 1,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -407,6 +488,13 @@ def compare(
     modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
     temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction.
     loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: calibrated.
+    repeats: runs of the reference and of each variant, to measure run-to-run noise (non-deterministic
+        kernels). With repeats > 1 every record gets `spread`: the max - min of its rms_rel over the
+        variant's runs (each against the reference's first run) plus the largest rms_rel of a reference
+        repeat against the reference's first run. The records are the first run's.
+
+    A variant whose run produces NaN/Inf is run once more with every module watched;
+    `report.nonfinite_origin[variant]` then names the module where they started, "name (fw)" or "name (bw)".
     """
     import torch
     from torch import nn
@@ -419,6 +507,8 @@ def compare(
         raise ConfigurationError(f"temperature must be positive, got {temperature}")
     if not 0 < clip_eps < 1:
         raise ConfigurationError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigurationError(f"repeats must be an integer >= 1, got {repeats!r}")
     reference_variant = resolve_reference(reference)
     variant_list = resolve_variants(variants)
     run_device = torch.device(device) if device is not None else default_device(model)
@@ -433,6 +523,7 @@ def compare(
         temperature=temperature,
         clip_eps=clip_eps,
         logprob_dtype=logprob_dtype,
+        repeats=repeats,
     )
 
     with preserved_rng(run_device):
@@ -443,8 +534,19 @@ def compare(
             stored[(name, kind)] = tensor.detach().clone()
 
         report = PrecisionReport(reference=runner.run(reference_variant, keep), device=str(run_device))
+        reference_noise = _ReferenceNoise(runner, stored)
+        for _ in range(repeats - 1):
+            runner.run(reference_variant, reference_noise.measure)
         for variant in variant_list:
-            info, records = _measure_variant(runner, variant, stored, _loss_scale_for(loss_scale, variant.name))
+            info, records = _measure_variant(
+                runner,
+                variant,
+                stored,
+                _loss_scale_for(loss_scale, variant.name),
+                repeats=repeats,
+                noise=reference_noise.noise,
+                origin=report.nonfinite_origin,
+            )
             seen = {(r.name, r.kind) for r in records}
             missing = [key for key in stored if key not in seen and key[1] != LOGITS_KIND]
             report.add(variant.name, info, records, missing)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .report import Record
@@ -89,6 +89,7 @@ def regression_message(
     path: Path,
     nodeid: str,
     order: dict[tuple[str, str, str], int],
+    nonfinite_origin: Mapping[str, str] | None = None,
 ) -> str:
     ordered = execution_order(violations, order)
     tensors = {(v.variant, v.name, v.kind) for v in ordered}
@@ -110,12 +111,31 @@ def regression_message(
             "non-finite values (NaN/Inf) where the baseline had none: "
             + ", ".join(f"{v.variant} {v.name} ({v.kind})" for v in nonfinite[:5])
         )
+        for variant, origin in sorted((nonfinite_origin or {}).items()):
+            lines.append(f"  {variant}: first non-finite output from finite inputs in {origin}")
     lines += [
         *violation_table(ordered),
         f"Baseline: {path}",
         f"If the change is intended, refresh it: {refresh_command(nodeid)}",
     ]
     return "\n".join(lines)
+
+
+def improvement_message(
+    improvements: Sequence[Violation], path: Path, nodeid: str, order: dict[tuple[str, str, str], int]
+) -> str:
+    """--precision-strict: an improvement beyond tolerance fails until the baseline is tightened."""
+    ordered = execution_order(improvements, order)
+    tensors = {(v.variant, v.name, v.kind) for v in ordered}
+    return "\n".join(
+        [
+            f"precision improved beyond tolerance in {len(tensors)} tensor(s) (--precision-strict): "
+            "tighten the baseline",
+            *violation_table(ordered),
+            f"Baseline: {path}",
+            f"Tighten it with: {refresh_command(nodeid)}",
+        ]
+    )
 
 
 def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +19,10 @@ pytest.register_assert_rewrite("pytest_precision.assertion")
 from .session import (  # noqa: E402
     OPTION_ATOL,
     OPTION_BASELINE_DIR,
+    OPTION_PRUNE,
+    OPTION_REPORT,
     OPTION_RTOL,
+    OPTION_STRICT,
     OPTION_TABLES,
     SESSION_KEY,
     TABLES_KEY,
@@ -28,6 +32,8 @@ from .session import (  # noqa: E402
 )
 
 GPU_MARKER = "precision_gpu"
+STALE_KEY = pytest.StashKey[list[Path]]()
+REPORT_PATH_KEY = pytest.StashKey[Path | None]()
 TABLES_SECTION = "precision tables"
 
 
@@ -62,7 +68,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest=OPTION_TABLES,
         help="print each precision test's error-propagation tables in the terminal summary",
     )
+    group.addoption(
+        "--precision-strict",
+        action="store_true",
+        default=None,
+        dest=OPTION_STRICT,
+        help="fail a test whose error improved beyond tolerance, until its baseline is tightened",
+    )
+    group.addoption(
+        "--precision-prune",
+        action="store_true",
+        default=None,
+        dest=OPTION_PRUNE,
+        help="delete baseline files no test uses (after a full run only)",
+    )
+    group.addoption(
+        "--precision-report",
+        default=None,
+        dest=OPTION_REPORT,
+        metavar="DIR",
+        help="write DIR/precision-report.json: every precision test's outcome, baseline and records",
+    )
     parser.addini("precision_gpu", "like --precision-gpu", type="bool", default=False)
+    parser.addini(OPTION_STRICT, "like --precision-strict", type="bool", default=False)
+    parser.addini(OPTION_PRUNE, "like --precision-prune", type="bool", default=False)
+    parser.addini(OPTION_REPORT, "like --precision-report", default="")
     parser.addini(OPTION_BASELINE_DIR, "like --precision-baseline-dir", default="baselines")
     parser.addini(OPTION_RTOL, "like --precision-rtol", default="")
     parser.addini(OPTION_ATOL, "like --precision-atol", default="")
@@ -74,15 +104,33 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
     if config.getoption("precision_gpu") is None:
         config.option.precision_gpu = bool(config.getini("precision_gpu"))
-    if config.getoption("precision_gpu"):
-        import torch
+    session = PrecisionSession.from_config(config)
+    if session.update and session.strict:
+        raise pytest.UsageError(
+            "--update-baselines and --precision-strict (or ini precision_strict) contradict each other: "
+            "update first, then gate strictly"
+        )
+    if session.gpu:
+        session.device = _pin_gpu(config)
+    config.stash[SESSION_KEY] = session
 
-        if not torch.cuda.is_available():
-            raise pytest.UsageError(
-                "--precision-gpu (or ini precision_gpu) needs a CUDA device, and torch sees none "
-                f"(torch {torch.__version__}); run without it to test on CPU"
-            )
-    config.stash[SESSION_KEY] = PrecisionSession.from_config(config)
+
+def _pin_gpu(config: pytest.Config) -> str:
+    """The CUDA device of this process: xdist worker gwN takes GPU N mod device_count, pinned before the
+    worker first uses CUDA, so `pytest -n <gpus> --precision-gpu` spreads a suite over a machine's GPUs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise pytest.UsageError(
+            "--precision-gpu (or ini precision_gpu) needs a CUDA device, and torch sees none "
+            f"(torch {torch.__version__}); run without it to test on CPU"
+        )
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is None:
+        return "cuda"
+    index = int(worker.removeprefix("gw")) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -94,19 +142,31 @@ def pytest_report_header(config: pytest.Config) -> str:
     else:
         threads = os.environ.get("OMP_NUM_THREADS") or f"{os.cpu_count()} cores"
     mode = "update" if session.update else "compare"
+    device = session.device
+    workers = getattr(config.option, "numprocesses", None)
+    if session.gpu and workers:
+        count = sys.modules["torch"].cuda.device_count()
+        device = f"cuda, worker gwN on cuda:(N mod {count})"
     return (
-        f"precision: torch {package_version('torch')}, device {session.device}, threads {threads}, "
+        f"precision: torch {package_version('torch')}, device {device}, threads {threads}, "
         f"baselines {session.baseline_dir} ({mode})"
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    config.stash[SESSION_KEY].collected.update(item.nodeid for item in items)
     if config.getoption("precision_gpu"):
         return
     skip = pytest.mark.skip(reason="precision_gpu: needs a CUDA device; run with --precision-gpu")
     for item in items:
         if item.get_closest_marker(GPU_MARKER) is not None:
             item.add_marker(skip)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    # Deselected tests still own their baselines (stale-file detection); -k and friends call this.
+    for item in items:
+        item.config.stash[SESSION_KEY].collected.add(item.nodeid)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -145,23 +205,74 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
                         terminalreporter.write_line(f"{report.nodeid}")
                         terminalreporter.write_line(text)
                         terminalreporter.write_line("")
-    for line in session.summary_lines():
+    for line in session.summary_lines(config.stash.get(STALE_KEY, None)):
         terminalreporter.write_line(line)
+    report_path = config.stash.get(REPORT_PATH_KEY, None)
+    if report_path is not None:
+        terminalreporter.write_line(f"precision report: {report_path}")
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    workeroutput = getattr(session.config, "workeroutput", None)
-    precision_session = session.config.stash.get(SESSION_KEY, None)
-    if workeroutput is not None and precision_session is not None:
-        # An xdist worker: the controller prints the summary, so hand it this worker's counts.
-        workeroutput["precision_outcomes"] = dict(precision_session.outcomes)
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    precision_session = config.stash.get(SESSION_KEY, None)
+    if precision_session is None:
+        return
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:
+        # An xdist worker: the controller prints the summary, so hand it this worker's results.
+        workeroutput["precision"] = precision_session.export()
+        return
+    _record_test_outcomes(session, precision_session)
+    if not is_partial_run(session, exitstatus):
+        stale = precision_session.stale_baselines()
+        if precision_session.prune:
+            for path in stale:
+                path.unlink(missing_ok=True)
+        config.stash[STALE_KEY] = stale
+    config.stash[REPORT_PATH_KEY] = precision_session.write_report()
+
+
+def _record_test_outcomes(session: pytest.Session, precision_session: PrecisionSession) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats = getattr(reporter, "stats", {}) if reporter is not None else {}
+    for outcome, reports in stats.items():
+        for report in reports:
+            nodeid = str(getattr(report, "nodeid", ""))
+            counts = nodeid in precision_session.tests and getattr(report, "when", None) in ("call", "setup")
+            if counts and outcome in ("passed", "failed", "skipped", "error"):
+                precision_session.tests[nodeid]["outcome"] = outcome
+
+
+def is_partial_run(session: pytest.Session, exitstatus: int) -> bool:
+    """Whether this run selected less than the whole configured suite: then no baseline is called stale."""
+    config = session.config
+    options = config.option
+    if exitstatus in (pytest.ExitCode.INTERRUPTED, pytest.ExitCode.USAGE_ERROR, pytest.ExitCode.INTERNAL_ERROR):
+        return True
+    if session.shouldstop or session.shouldfail:
+        return True
+    narrowing = ("keyword", "markexpr", "lf", "deselect", "stepwise", "stepwise_skip")
+    if any(getattr(options, name, None) for name in narrowing):
+        return True
+    if config.args_source != pytest.Config.ArgsSource.ARGS:
+        return False
+    configured = [config.rootpath / p for p in config.getini("testpaths")] or [config.rootpath]
+    selected = []
+    for argument in config.args:
+        if "::" in argument:
+            return True
+        selected.append((config.invocation_params.dir / argument).resolve())
+    return not all(
+        any(path.resolve() == chosen or chosen in path.resolve().parents for chosen in selected) for path in configured
+    )
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
-    outcomes = getattr(node, "workeroutput", {}).get("precision_outcomes")
-    if outcomes:
-        node.config.stash[SESSION_KEY].outcomes.update(outcomes)
+    exported = getattr(node, "workeroutput", {}).get("precision")
+    if exported:
+        node.config.stash[SESSION_KEY].merge(exported)
 
 
 @pytest.fixture

@@ -42,6 +42,8 @@ class Record(TensorError):
     rms_e_b: float | None = None
     rms_e_diff: float | None = None
     rms_floor: float | None = None
+    # compare(repeats > 1) only: run-to-run noise of rms_rel, see compare.
+    spread: float | None = None
 
     @classmethod
     def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError, **extra: Any) -> Record:
@@ -56,7 +58,7 @@ class Record(TensorError):
         """JSON-ready; optional metrics appear only where defined, keeping baseline lines short."""
         data = dataclasses.asdict(self)
         data["shape"] = list(self.shape)
-        for metric in OPTIONAL_METRICS:
+        for metric in (*OPTIONAL_METRICS, "spread"):
             if data[metric] is None:
                 del data[metric]
         return data
@@ -86,9 +88,15 @@ class RunInfo:
     parameter_categories: dict[str, str] = field(default_factory=dict)
     #: Whether the output head shares its weight with the input embedding.
     tied_head: bool | None = None
+    #: Runs of this variant compare(repeats=...) made to measure run-to-run noise.
+    repeats: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-ready; `repeats` only when more than one, keeping single-run baselines unchanged."""
+        data = dataclasses.asdict(self)
+        if self.repeats == 1:
+            del data["repeats"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunInfo:
@@ -105,6 +113,8 @@ class PrecisionReport:
     runs: dict[str, RunInfo] = field(default_factory=dict)
     _records: dict[str, list[Record]] = field(default_factory=dict)
     missing: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    #: Variant -> where its first NaN/Inf appeared, "module.name (fw)" or "module.name (bw)" (see compare).
+    nonfinite_origin: dict[str, str] = field(default_factory=dict)
 
     @property
     def variants(self) -> list[str]:
@@ -154,6 +164,7 @@ class PrecisionReport:
                 for name in self.variants
             },
             "order": self.variants,
+            "nonfinite_origin": dict(self.nonfinite_origin),
         }
 
     @classmethod
@@ -168,6 +179,7 @@ class PrecisionReport:
                 [Record.from_dict(r) for r in entry["records"]],
                 [(m[0], m[1]) for m in entry.get("missing", [])],
             )
+        report.nonfinite_origin = dict(data.get("nonfinite_origin") or {})
         return report
 
 

@@ -22,6 +22,11 @@ OPTION_BASELINE_DIR = "precision_baseline_dir"
 OPTION_RTOL = "precision_rtol"
 OPTION_ATOL = "precision_atol"
 OPTION_TABLES = "precision_tables"
+OPTION_STRICT = "precision_strict"
+OPTION_PRUNE = "precision_prune"
+OPTION_REPORT = "precision_report"
+#: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
+DRIFT_FIELDS = ("torch", "device", "threads")
 
 STEMS_KEY = pytest.StashKey[set[str]]()
 TABLES_KEY = pytest.StashKey[list[str]]()
@@ -43,6 +48,14 @@ def _float_option(config: pytest.Config, name: str) -> float | None:
         raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
 
 
+def _report_dir(config: pytest.Config) -> Path | None:
+    value = option(config, OPTION_REPORT)
+    if not value:
+        return None
+    directory = Path(value)
+    return directory if directory.is_absolute() else Path(config.invocation_params.dir) / directory
+
+
 def _truthy(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -60,8 +73,19 @@ class PrecisionSession:
     show_tables: bool
     rtol: float | None
     atol: float | None
+    strict: bool = False
+    prune: bool = False
+    report_dir: Path | None = None
+    device: str = "cpu"
     outcomes: Counter[str] = field(default_factory=Counter)
     path_owners: dict[Path, str] = field(default_factory=dict)
+    #: What xdist workers hand the controller (see export/merge): all JSON-ready.
+    improvements: dict[str, int] = field(default_factory=dict)
+    drift: dict[str, list[str]] = field(default_factory=dict)
+    used_paths: set[str] = field(default_factory=set)
+    checked: set[str] = field(default_factory=set)
+    collected: set[str] = field(default_factory=set)
+    tests: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> PrecisionSession:
@@ -76,11 +100,34 @@ class PrecisionSession:
             show_tables=_truthy(option(config, OPTION_TABLES)),
             rtol=_float_option(config, OPTION_RTOL),
             atol=_float_option(config, OPTION_ATOL),
+            strict=_truthy(option(config, OPTION_STRICT)),
+            prune=_truthy(option(config, OPTION_PRUNE)),
+            report_dir=_report_dir(config),
+            device="cuda" if config.getoption("precision_gpu") else "cpu",
         )
 
-    @property
-    def device(self) -> str:
-        return "cuda" if self.gpu else "cpu"
+    def export(self) -> dict[str, Any]:
+        """This process's results, for an xdist worker to send to the controller."""
+        return {
+            "outcomes": dict(self.outcomes),
+            "improvements": self.improvements,
+            "drift": self.drift,
+            "used_paths": sorted(self.used_paths),
+            "checked": sorted(self.checked),
+            "collected": sorted(self.collected),
+            "tests": self.tests,
+        }
+
+    def merge(self, data: Mapping[str, Any]) -> None:
+        """Add a worker's exported results to this (controller's) session."""
+        self.outcomes.update(data.get("outcomes", {}))
+        self.improvements.update(data.get("improvements", {}))
+        self.drift.update(data.get("drift", {}))
+        self.used_paths.update(data.get("used_paths", []))
+        self.checked.update(data.get("checked", []))
+        self.collected.update(data.get("collected", []))
+        for nodeid, entry in data.get("tests", {}).items():
+            self.tests.setdefault(nodeid, {}).update(entry)
 
     def check(
         self,
@@ -101,6 +148,7 @@ class PrecisionSession:
         except PrecisionError as error:
             outcome, message = "failed", f"{type(error).__name__}: {error}"
         self.outcomes[outcome] += 1
+        self.tests.setdefault(item.nodeid, {})["baseline_outcome"] = outcome
         # Failed outside the except block, so the message is not chained to the error and shows once.
         if message is not None:
             pytest.fail(message, pytrace=False)
@@ -138,6 +186,14 @@ class PrecisionSession:
             )
         used.add(stem)
         path = baselines.baseline_path(self.baseline_dir, self._test_file(item), stem, device_key(report.device))
+        self.used_paths.add(str(path))
+        self.checked.add(item.nodeid)
+        self.tests[item.nodeid] = {
+            "baseline": os.fspath(self._shown(path)),
+            "reference": report.reference.to_dict(),
+            "variants": report.to_dict()["variants"],
+            "nonfinite_origin": dict(getattr(report, "nonfinite_origin", {})),
+        }
         owner = self.path_owners.setdefault(path, item.nodeid)
         if owner != item.nodeid:
             raise ConfigurationError(
@@ -171,14 +227,39 @@ class PrecisionSession:
             if limit_violations:
                 missing += "\n" + messages.limit_message(limit_violations, order)
             return "missing", missing
-        expected = baselines.load_baseline(path, messages.refresh_command(nodeid), shown=shown).records()
-        violations, gated = check_against_baseline(expected, obtained, rules, gated_metrics)
+        loaded = baselines.load_baseline(path, messages.refresh_command(nodeid), shown=shown)
+        self._note_drift(shown, loaded.data.get("environment") or {}, report)
+        result = check_against_baseline(loaded.records(), obtained, rules, gated_metrics)
+        if result.worst_ratio is not None:
+            item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
         parts = []
-        if violations:
-            parts.append(messages.regression_message(violations, gated, shown, nodeid, order))
+        if result.violations:
+            parts.append(
+                messages.regression_message(
+                    result.violations, result.gated, shown, nodeid, order, getattr(report, "nonfinite_origin", {})
+                )
+            )
         if limit_violations:
             parts.append(messages.limit_message(limit_violations, order))
+        if result.improvements:
+            if self.strict:
+                parts.append(messages.improvement_message(result.improvements, shown, nodeid, order))
+            else:
+                self.improvements[nodeid] = len({(v.variant, v.name, v.kind) for v in result.improvements})
         return ("failed", "\n".join(parts)) if parts else ("passed", None)
+
+    def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> None:
+        """Remember, once per file, which environment fields differ from the baseline's (never a failure)."""
+        from .environment import environment
+
+        current = environment(report.device, {})
+        differences = [
+            f"{name}: {recorded.get(name)!r} in the baseline, {current.get(name)!r} now"
+            for name in DRIFT_FIELDS
+            if name in recorded and recorded.get(name) != current.get(name)
+        ]
+        if differences:
+            self.drift.setdefault(os.fspath(shown), differences)
 
     def recorded_loss_scales(self, item: pytest.Item, stem: str | None, device: str) -> dict[str, float]:
         """{variant: loss scale} recorded in the test's baseline file; empty when there is none to read
@@ -251,14 +332,64 @@ class PrecisionSession:
         except ValueError:
             return path
 
-    def summary_lines(self) -> list[str]:
-        """The terminal summary line: counts of baseline outcomes, in a fixed order."""
+    def summary_lines(self, stale: list[Path] | None = None) -> list[str]:
+        """The terminal summary: outcome counts, then improvements, environment warnings and stale files."""
+        from .messages import refresh_command
+
         order = ("written", "updated", "unchanged", "passed", "failed", "missing")
         parts = [f"{self.outcomes[k]} {k}" for k in order if self.outcomes[k]]
-        if not parts:
+        lines = []
+        if parts:
+            mode = "update" if self.update else "compare"
+            lines.append(f"precision baselines ({mode}, {self._shown(self.baseline_dir)}): {', '.join(parts)}")
+        for nodeid, count in sorted(self.improvements.items()):
+            lines.append(
+                f"precision improved: {nodeid}: {count} tensor(s) beyond tolerance; tighten the baseline with: "
+                f"{refresh_command(nodeid)}"
+            )
+        for path, differences in sorted(self.drift.items()):
+            lines.append(f"precision environment differs from {path} (numbers may move): {'; '.join(differences)}")
+        if stale:
+            action = "deleted (--precision-prune)" if self.prune else "no test uses them; delete with --precision-prune"
+            lines.append(f"precision stale baselines: {len(stale)} ({action}):")
+            lines += [f"  {self._shown(path)}" for path in stale]
+        return lines
+
+    def stale_baselines(self) -> list[Path]:
+        """Baseline files no collected test owns, after a full run.
+
+        A test that ran its check owns the files it used (and those for other devices); a test that was
+        collected but skipped, deselected or stopped before its check owns every file recording its id.
+        """
+        from .environment import device_key
+
+        if not self.baseline_dir.is_dir():
             return []
-        mode = "update" if self.update else "compare"
-        return [f"precision baselines ({mode}, {self._shown(self.baseline_dir)}): {', '.join(parts)}"]
+        current_device = device_key(self.device)
+        stale = []
+        for path in sorted(self.baseline_dir.rglob("*.json")):
+            if str(path) in self.used_paths:
+                continue
+            try:
+                test = json.loads(path.read_text(encoding="utf-8")).get("test")
+            except (OSError, ValueError, AttributeError):
+                continue  # unreadable: its own test reports it
+            file_device = path.name.rsplit(".", 2)[-2] if path.name.count(".") >= 2 else None
+            if test in self.collected and (test not in self.checked or file_device != current_device):
+                continue
+            stale.append(path)
+        return stale
+
+    def write_report(self) -> Path | None:
+        """The session report: one JSON file with every precision test's outcome and records."""
+        from .baseline import json_ready, write_atomically
+
+        if self.report_dir is None:
+            return None
+        path = self.report_dir / "precision-report.json"
+        document = {"schema_version": 1, "baseline_dir": os.fspath(self.baseline_dir), "tests": self.tests}
+        write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")
+        return path
 
 
 SESSION_KEY = pytest.StashKey[PrecisionSession]()

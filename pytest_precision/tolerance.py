@@ -16,6 +16,7 @@ TF32-on-CPU variant, without hiding a bf16-sized (1e-3) error appearing there.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -29,8 +30,12 @@ from .report import Record
 DEFAULT_RTOL = 0.10
 DEFAULT_ATOL = 1e-5
 DEFAULT_METRICS: tuple[str, ...] = ("rms_rel",)
+#: With repeats, a tensor's tolerance is at least this many times the spread its runs showed: the spread is a
+#: max - min over a handful of runs, which underestimates the range of run-to-run noise; 3x keeps a
+#: non-deterministic kernel from failing the gate while a real regression, far larger, still fails.
+NOISE_FACTOR = 3.0
 
-Reason = Literal["regressed", "nonfinite", "limit", "missing", "new"]
+Reason = Literal["regressed", "improved", "nonfinite", "limit", "missing", "new"]
 
 
 @dataclass(frozen=True)
@@ -74,24 +79,41 @@ def _magnitude(metric: str, value: float) -> float:
     return value
 
 
-def allowed_value(metric: str, expected: float, tolerance: Tolerance) -> float:
-    """The worst value of `metric` that still passes against `expected` (a magnitude for unit/signed)."""
+def allowed_value(metric: str, expected: float, tolerance: Tolerance, spread: float = 0.0) -> float:
+    """The worst value of `metric` that still passes against `expected` (a magnitude for unit/signed).
+
+    A tensor measured with repeats whose runs differed (non-deterministic kernels) gets at least
+    NOISE_FACTOR times that spread of tolerance.
+    """
     direction = METRIC_DIRECTIONS.get(metric, "lower")
     if metric == "nonfinite":
         return expected
+    noise = NOISE_FACTOR * spread
     if direction == "higher":
-        return expected * (1 - tolerance.rtol) - tolerance.atol
-    return _magnitude(metric, expected) * (1 + tolerance.rtol) + tolerance.atol
+        return min(expected * (1 - tolerance.rtol) - tolerance.atol, expected - noise)
+    magnitude = _magnitude(metric, expected)
+    return max(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + noise)
 
 
-def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance) -> bool:
+def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
     """Whether `obtained` regressed past the tolerance of `expected` in the metric's direction."""
     if math.isnan(expected) or math.isnan(obtained):
         return False
-    allowed = allowed_value(metric, expected, tolerance)
+    allowed = allowed_value(metric, expected, tolerance, spread)
     if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
         return obtained < allowed
     return _magnitude(metric, obtained) > allowed
+
+
+def is_better(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
+    """Whether `obtained` improved past the tolerance: below expected * (1 - rtol) - atol (mirrored)."""
+    if metric == "nonfinite" or math.isnan(expected) or math.isnan(obtained):
+        return False
+    noise = NOISE_FACTOR * spread
+    if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
+        return obtained > max(expected * (1 + tolerance.rtol) + tolerance.atol, expected + noise)
+    magnitude = _magnitude(metric, expected)
+    return _magnitude(metric, obtained) < min(magnitude * (1 - tolerance.rtol) - tolerance.atol, magnitude - noise)
 
 
 def validated_metrics(metrics: Iterable[str]) -> list[str]:
@@ -145,15 +167,33 @@ def _compile(key: str, argument: str) -> None:
         raise ConfigurationError(f"{argument}: {key!r} is not a valid regex ({error})") from None
 
 
+@dataclass(frozen=True)
+class BaselineCheck:
+    """The outcome of holding a report against its baseline."""
+
+    violations: list[Violation]
+    improvements: list[Violation]
+    gated: int
+    #: The largest obtained/expected ratio (in each metric's worse direction) over gated tensors.
+    worst_ratio: float | None
+
+
+def _spread(*records: Record) -> float:
+    values = [getattr(r, "spread", None) for r in records]
+    return max((v for v in values if v is not None), default=0.0)
+
+
 def check_against_baseline(
     expected: Mapping[str, Sequence[Record]],
     obtained: Mapping[str, Sequence[Record]],
     rules: ToleranceRules,
     metrics: Iterable[str] = DEFAULT_METRICS,
-) -> tuple[list[Violation], int]:
-    """Violations of `obtained` against `expected` (records per variant), and how many tensors were gated."""
+) -> BaselineCheck:
+    """Regressions and improvements of `obtained` against `expected` (records per variant)."""
     gated_metrics = validated_metrics(metrics)
     violations: list[Violation] = []
+    improvements: list[Violation] = []
+    ratios: list[float] = []
     gated = 0
     for variant in list(obtained) + [v for v in expected if v not in obtained]:
         if variant not in expected:
@@ -186,29 +226,33 @@ def check_against_baseline(
                     )
                 )
             tolerance = rules.for_tensor(record.name, record.kind)
+            spread = _spread(before, record)
             for metric in gated_metrics:
                 if metric == "nonfinite":
                     continue
                 old, new = before.metric(metric), record.metric(metric)
                 if old is None or new is None:
                     continue
-                if is_worse(metric, old, new, tolerance):
-                    violations.append(
-                        Violation(
-                            variant,
-                            record.name,
-                            record.kind,
-                            "regressed",
-                            metric,
-                            old,
-                            new,
-                            allowed_value(metric, old, tolerance),
-                        )
-                    )
+                found = Violation(
+                    variant,
+                    record.name,
+                    record.kind,
+                    "regressed",
+                    metric,
+                    old,
+                    new,
+                    allowed_value(metric, old, tolerance, spread),
+                )
+                if found.ratio is not None and math.isfinite(found.ratio):
+                    ratios.append(found.ratio)
+                if is_worse(metric, old, new, tolerance, spread):
+                    violations.append(found)
+                elif is_better(metric, old, new, tolerance, spread):
+                    improvements.append(dataclasses.replace(found, reason="improved"))
         violations += [
             Violation(variant, name, kind, "missing") for (name, kind) in baseline_rows if (name, kind) not in seen
         ]
-    return violations, gated
+    return BaselineCheck(violations, improvements, gated, max(ratios) if ratios else None)
 
 
 def check_limits(
