@@ -230,7 +230,8 @@ class _Runner:
                     except Exception as error:
                         raise ModelRunError(
                             f"run {variant.name!r}: {type(model).__name__} rejected the inputs "
-                            f"{self.batch.shapes()}: {type(error).__name__}: {error}"
+                            f"{self.batch.shapes()}: {type(error).__name__}: {error} (check that the inputs' keys "
+                            "match forward()'s arguments, and their shapes, dtypes and token ids what it expects)"
                         ) from error
                 self._log_probabilities(model, output, sink)
                 loss = _loss_of(output, call_inputs, self.loss_fn, variant.name)

@@ -200,7 +200,10 @@ def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: 
             )
         model = model.to(device)
     if not any(p.is_floating_point() for p in model.parameters()):
-        raise ConfigurationError(f"{type(model).__name__} has no floating-point parameters to measure")
+        raise ConfigurationError(
+            f"{type(model).__name__} has no floating-point parameters to measure: pass the model that holds "
+            "the weights (or a factory building it), not a wrapper or a parameter-free module"
+        )
     cast_parameters(model, variant.weight_dtype)
     for parameter in model.parameters():
         parameter.grad = None
