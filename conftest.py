@@ -87,25 +87,25 @@ def tiny_qwen2(*, seed: int = 0, tied: bool = True, layers: int = 3) -> Any:
     return _seeded(config, Qwen2ForCausalLM, seed)
 
 
+def _load_checkpoint(path: Path, dtype: Any, device: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    return model.to(device).eval()
+
+
 def load_tiny_llama(dtype: Any = None, device: Any = "cpu") -> Any:
     """The committed tiny Llama, loaded from disk as transformers would load a checkpoint.
 
     Usable as a model factory: `compare(load_tiny_llama, ...)` builds each run's model in its own dtype.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR, dtype=dtype or torch.float32)
-    return model.to(device).eval()
+    return _load_checkpoint(TINY_LLAMA_DIR, dtype, device)
 
 
 def load_trained_lm(dtype: Any = None, device: Any = "cpu") -> Any:
     """The committed trained tiny LM, loaded like a checkpoint; usable as a model factory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=dtype or torch.float32)
-    return model.to(device).eval()
+    return _load_checkpoint(TRAINED_LM_DIR, dtype, device)
 
 
 def trained_lm_text_batch(*, batch: int = 2, length: int = 128) -> dict[str, Any]:
