@@ -209,3 +209,20 @@ def numbers_unchanged(path: Path, new: dict[str, Any]) -> bool:
         return False
     strip = {k: v for k, v in new.items() if k != "environment"}
     return bool({k: v for k, v in old.items() if k != "environment"} == json.loads(json.dumps(strip)))
+
+
+def report_from_document(data: dict[str, Any], path: Path) -> PrecisionReport:
+    """A PrecisionReport rebuilt from a baseline file's content (for `pytest-precision show` and `diff`)."""
+    from .report import RunInfo
+
+    def run_info(entry: dict[str, Any]) -> RunInfo:
+        return RunInfo.from_dict({**(entry.get("run") or {}), "variant": entry.get("spec") or {}})
+
+    try:
+        report = PrecisionReport(reference=run_info(data["reference"]), device=str(data.get("device", "cpu")))
+        records = Baseline(path, data).records()
+        for name in data.get("variant_order") or list(data["variants"]):
+            report.add(name, run_info(data["variants"][name]), records[name], [])
+    except (KeyError, TypeError) as error:
+        raise BaselineError(f"{path} is not a complete precision baseline (missing {error})") from None
+    return report
