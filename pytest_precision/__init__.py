@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from .cross_engine import compare_logprobs
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
+    from .references import Reference, ReferenceCache, reference
     from .report import PrecisionReport, Record
     from .variants import BUILTIN_VARIANTS, Variant
 
@@ -30,6 +31,9 @@ _EXPORTS = {
     "PrecisionError": "errors",
     "TensorError": "metrics",
     "tensor_error": "metrics",
+    "Reference": "references",
+    "ReferenceCache": "references",
+    "reference": "references",
     "PrecisionReport": "report",
     "Record": "report",
     "BUILTIN_VARIANTS": "variants",
@@ -44,6 +48,8 @@ __all__ = [
     "PrecisionError",
     "PrecisionReport",
     "Record",
+    "Reference",
+    "ReferenceCache",
     "TensorError",
     "Variant",
     "__version__",
@@ -51,6 +57,7 @@ __all__ = [
     "compare",
     "compare_logprobs",
     "inputs",
+    "reference",
     "tensor_error",
 ]
 

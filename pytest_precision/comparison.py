@@ -17,6 +17,7 @@ from .errors import ConfigurationError, ModelRunError, PrecisionError
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
 from .model_build import ModelFactory, build_run_model
+from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, cache_key, qualified_name, state_checksum
 from .report import PrecisionReport, Record, RunInfo
 from .variants import Variant, resolve_reference, resolve_variants, torch_dtype
 
@@ -466,10 +467,56 @@ def _loss_scale_for(loss_scale: LossScale, variant: str) -> float | None:
     return float(loss_scale)
 
 
-def compare(
+def _check_model(model: object) -> None:
+    from torch import nn
+
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise ConfigurationError(
+            f"model: expected a torch.nn.Module or a factory (dtype, device) -> nn.Module, got {type(model).__name__}"
+        )
+
+
+def _check_repeats(repeats: object) -> int:
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ConfigurationError(f"repeats must be an integer >= 1, got {repeats!r}")
+    return repeats
+
+
+def _default_offload(model: object, device: torch.device) -> bool:
+    """Offload on CUDA when the model's parameters pass OFFLOAD_THRESHOLD_BYTES (a factory: never)."""
+    from torch import nn
+
+    if device.type != "cuda" or not isinstance(model, nn.Module):
+        return False
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return size > OFFLOAD_THRESHOLD_BYTES
+
+
+def _runner(ref: Reference, repeats: int = 1) -> _Runner:
+    """A runner with the reference's settings (and module selection, once it ran)."""
+    import torch
+
+    assert ref.source is not None
+    runner = _Runner(
+        ref.source,
+        ref.batch,
+        ref.device,
+        ref.loss_fn,
+        ref.backward,
+        ref.modules,
+        temperature=ref.temperature,
+        clip_eps=ref.clip_eps,
+        logprob_dtype=torch.float64 if ref.variant.dtype == "float64" else torch.float32,
+        repeats=repeats,
+    )
+    if ref.module_names:
+        runner.module_names = list(ref.module_names)
+    return runner
+
+
+def build_reference(
     model: nn.Module | ModelFactory,
     inputs: Any,
-    variants: Sequence[str | Variant | Mapping[str, Any]] | str | Variant,
     *,
     reference: str | Variant = "fp32",
     loss_fn: LossFn | None = None,
@@ -477,79 +524,236 @@ def compare(
     modules: Sequence[str] | None = None,
     device: str | torch.device | None = None,
     temperature: float = 1.0,
-    clip_eps: float = DEFAULT_CLIP_EPS,
-    loss_scale: LossScale = None,
-    repeats: int = 1,
-) -> PrecisionReport:
-    """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
-
-    model: an nn.Module (never modified: each run uses a copy) or a factory `(dtype, device) -> nn.Module`.
-    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments.
-    loss_fn: `loss_fn(output, inputs) -> scalar`; default `output.loss`.
-    modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
-    temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction.
-    loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: calibrated.
-    repeats: runs of the reference and of each variant, to measure run-to-run noise (non-deterministic
-        kernels). With repeats > 1 every record gets `spread`: the max - min of its rms_rel over the
-        variant's runs (each against the reference's first run) plus the largest rms_rel of a reference
-        repeat against the reference's first run. The records are the first run's.
-
-    A variant whose run produces NaN/Inf is run once more with every module watched;
-    `report.nonfinite_origin[variant]` then names the module where they started, "name (fw)" or "name (bw)".
-    """
+    clip_eps: float | None = None,
+    offload: bool | None = None,
+    cache: ReferenceCache | None = None,
+) -> Reference:
+    """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
+    this model, with the same parameter values, inputs and settings."""
     import torch
     from torch import nn
 
-    if not isinstance(model, nn.Module) and not callable(model):
-        raise ConfigurationError(
-            f"model: expected a torch.nn.Module or a factory (dtype, device) -> nn.Module, got {type(model).__name__}"
-        )
+    _check_model(model)
     if temperature <= 0:
         raise ConfigurationError(f"temperature must be positive, got {temperature}")
+    clip_eps = DEFAULT_CLIP_EPS if clip_eps is None else clip_eps
     if not 0 < clip_eps < 1:
         raise ConfigurationError(f"clip_eps must be in (0, 1), got {clip_eps}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ConfigurationError(f"repeats must be an integer >= 1, got {repeats!r}")
     reference_variant = resolve_reference(reference)
-    variant_list = resolve_variants(variants)
+    batch = to_batch(inputs)
     run_device = torch.device(device) if device is not None else default_device(model)
-    logprob_dtype = torch.float64 if reference_variant.dtype == "float64" else torch.float32
-    runner = _Runner(
-        model,
-        to_batch(inputs),
-        run_device,
-        loss_fn,
-        backward,
-        modules,
+    offload = _default_offload(model, run_device) if offload is None else bool(offload)
+    selection = None if modules is None else tuple(modules)
+    keyed = None
+    if cache is not None:
+        keyed = cache_key(
+            model,
+            batch,
+            reference_variant,
+            loss_fn=loss_fn,
+            backward=backward,
+            modules=selection,
+            device=run_device,
+            temperature=temperature,
+            clip_eps=clip_eps,
+            offload=offload,
+        )
+        if keyed is not None and (hit := cache.get(keyed[0], model)) is not None:
+            return hit
+    ref = Reference(
+        source=model,
+        batch=batch,
+        device=run_device,
+        variant=reference_variant,
+        loss_fn=loss_fn,
+        backward=backward,
+        modules=selection,
+        module_names=[],
         temperature=temperature,
         clip_eps=clip_eps,
-        logprob_dtype=logprob_dtype,
-        repeats=repeats,
+        info=None,  # type: ignore[arg-type]  # set below, once the reference ran
+        stored={},
+        offload=offload,
+        checksum=keyed[1] if keyed is not None else (state_checksum(model) if isinstance(model, nn.Module) else None),
+        loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
     )
+    runner = _runner(ref)
+    stored = ref.stored
+    host = torch.device("cpu")
+
+    def keep(name: str, kind: str, tensor: torch.Tensor) -> None:
+        # Cloned: a later in-place op in the model must not change what was captured.
+        stored[(name, kind)] = tensor.detach().to(host, copy=True) if offload else tensor.detach().clone()
 
     with preserved_rng(run_device):
-        stored: dict[TensorKey, torch.Tensor] = {}
+        ref.info = runner.run(reference_variant, keep)
+    ref.module_names = list(runner.module_names or [])
+    if cache is not None and keyed is not None:
+        cache.put(keyed[0], model, ref)
+    return ref
 
-        def keep(name: str, kind: str, tensor: torch.Tensor) -> None:
-            # Cloned: a later in-place op in the model must not change what was captured.
-            stored[(name, kind)] = tensor.detach().clone()
 
-        report = PrecisionReport(reference=runner.run(reference_variant, keep), device=str(run_device))
-        reference_noise = _ReferenceNoise(runner, stored)
+def _is_module(model: object) -> bool:
+    from torch import nn
+
+    return isinstance(model, nn.Module)
+
+
+def _reference_noise(runner: _Runner, ref: Reference, repeats: int) -> dict[TensorKey, float]:
+    """Per tensor, the largest rms_rel of `repeats - 1` reference repeats against its first run (kept)."""
+    if repeats <= 1:
+        return {}
+    if repeats not in ref.noise:
+        if ref.path is not None and ref.info.variant.get("prepare"):
+            raise ConfigurationError(
+                f"repeats={repeats}: the Reference loaded from {ref.path} ran with prepare="
+                f"{ref.info.variant['prepare']}, which cannot be restored; use repeats=1"
+            )
+        noise = _ReferenceNoise(runner, ref.tensors())
         for _ in range(repeats - 1):
-            runner.run(reference_variant, reference_noise.measure)
-        for variant in variant_list:
+            runner.run(ref.variant, noise.measure)
+        ref.noise[repeats] = noise.noise
+    return ref.noise[repeats]
+
+
+def measure(
+    ref: Reference,
+    variants: Sequence[Variant],
+    *,
+    loss_scale: LossScale = None,
+    repeats: int = 1,
+    verify: bool = True,
+) -> PrecisionReport:
+    """Measure each variant against the reference's stored tensors (the reference does not run again, but
+    for repeats > 1, to measure its noise once per Reference)."""
+    if ref.source is None:
+        where = f" from {ref.path}" if ref.path else ""
+        raise ConfigurationError(
+            f"this Reference was loaded{where} without its model: the variants are built from it; pass "
+            "Reference.load(path, model=...) (the model or a factory (dtype, device) -> nn.Module), or "
+            "ref.with_model(model)"
+        )
+    _check_model(ref.source)
+    if ref.loss_fn is None and ref.loss_fn_name is not None:
+        raise ConfigurationError(
+            f"this Reference ran with loss_fn={ref.loss_fn_name}; pass it again: Reference.load(path, "
+            "model=..., loss_fn=...)"
+        )
+    unchanged = not verify or ref.path is not None or ref.checksum is None or not _is_module(ref.source)
+    if not unchanged and state_checksum(ref.source) != ref.checksum:  # type: ignore[arg-type]
+        raise ConfigurationError(
+            "the model's parameters or buffers changed since its Reference was computed; build a new "
+            "one with reference(model, inputs, ...)"
+        )
+    runner = _runner(ref, repeats)
+    stored = ref.tensors()
+    with preserved_rng(ref.device):
+        noise = _reference_noise(runner, ref, repeats)
+        report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
+        for variant in variants:
             info, records = _measure_variant(
                 runner,
                 variant,
                 stored,
                 _loss_scale_for(loss_scale, variant.name),
                 repeats=repeats,
-                noise=reference_noise.noise,
+                noise=noise,
                 origin=report.nonfinite_origin,
             )
             seen = {(r.name, r.kind) for r in records}
             missing = [key for key in stored if key not in seen and key[1] != LOGITS_KIND]
             report.add(variant.name, info, records, missing)
-        stored.clear()
     return report
+
+
+def compare(
+    model: nn.Module | ModelFactory | Reference,
+    inputs: Any = None,
+    variants: Sequence[str | Variant | Mapping[str, Any]] | str | Variant | None = None,
+    *,
+    reference: str | Variant | None = None,
+    loss_fn: LossFn | None = None,
+    backward: bool | None = None,
+    modules: Sequence[str] | None = None,
+    device: str | torch.device | None = None,
+    temperature: float | None = None,
+    clip_eps: float | None = None,
+    loss_scale: LossScale = None,
+    repeats: int = 1,
+    offload: bool | None = None,
+    cache: ReferenceCache | None = None,
+) -> PrecisionReport:
+    """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
+
+    model: an nn.Module (never modified: each run uses a copy) or a factory `(dtype, device) -> nn.Module`;
+        or a Reference (see pytest_precision.reference): its captured tensors are reused, the reference
+        does not run again; then `inputs` and the reference's options (reference, loss_fn, backward,
+        modules, temperature, clip_eps, offload, cache) are the Reference's and must not be passed.
+    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments.
+    reference: "fp32" (default) or "fp64".
+    loss_fn: `loss_fn(output, inputs) -> scalar`; default `output.loss`.
+    backward: compare gradients too (default True).
+    modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
+    temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction
+        (default 1.0 and 0.2).
+    loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: calibrated.
+    repeats: runs of the reference and of each variant, to measure run-to-run noise (non-deterministic
+        kernels). With repeats > 1 every record gets `spread`: the max - min of its rms_rel over the
+        variant's runs (each against the reference's first run) plus the largest rms_rel of a reference
+        repeat against the reference's first run. The records are the first run's.
+    offload: keep the reference's tensors on the host (see pytest_precision.reference).
+    cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
+        parameter values, inputs and options.
+
+    A variant whose run produces NaN/Inf is run once more with every module watched;
+    `report.nonfinite_origin[variant]` then names the module where they started, "name (fw)" or "name (bw)".
+    """
+    import torch
+
+    if isinstance(model, Reference):
+        given = {
+            "inputs": inputs,
+            "reference": reference,
+            "loss_fn": loss_fn,
+            "backward": backward,
+            "modules": modules,
+            "temperature": temperature,
+            "clip_eps": clip_eps,
+            "offload": offload,
+            "cache": cache,
+        }
+        passed = [name for name, value in given.items() if value is not None]
+        if device is not None and torch.device(device) != model.device:
+            passed.append("device")
+        if passed:
+            raise ConfigurationError(
+                f"compare(reference, ...): {', '.join(passed)} cannot be given with a Reference: the reference "
+                "already ran with its own; pass variants=[...] (and loss_scale, repeats) only, or build "
+                "another Reference"
+            )
+    else:
+        _check_model(model)
+    _check_repeats(repeats)
+    if variants is None:
+        raise ConfigurationError("variants: give a non-empty list, e.g. variants=['bf16', 'fp16']")
+    variant_list = resolve_variants(variants)
+    if isinstance(model, Reference):
+        return measure(model, variant_list, loss_scale=loss_scale, repeats=repeats)
+    ref = build_reference(
+        model,
+        inputs,
+        reference="fp32" if reference is None else reference,
+        loss_fn=loss_fn,
+        backward=True if backward is None else backward,
+        modules=modules,
+        device=device,
+        temperature=1.0 if temperature is None else temperature,
+        clip_eps=clip_eps,
+        offload=offload,
+        cache=cache,
+    )
+    try:
+        return measure(ref, variant_list, loss_scale=loss_scale, repeats=repeats, verify=False)
+    finally:
+        if cache is None:
+            ref.stored.clear()

@@ -209,7 +209,11 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(line)
     report_path = config.stash.get(REPORT_PATH_KEY, None)
     if report_path is not None:
-        terminalreporter.write_line(f"precision report: {report_path}")
+        terminalreporter.write_line(f"precision report: {report_path} and summary.md beside it")
+        if session.plots_skipped:
+            terminalreporter.write_line(
+                "precision plots: skipped, matplotlib is not installed (pip install 'pytest-precision[plot]')"
+            )
 
 
 @pytest.hookimpl(trylast=True)

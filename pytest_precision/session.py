@@ -15,6 +15,7 @@ import pytest
 from .errors import ConfigurationError, PrecisionError
 
 if TYPE_CHECKING:
+    from .references import Reference, ReferenceCache
     from .report import PrecisionReport
 
 #: ini / command-line option names.
@@ -86,6 +87,7 @@ class PrecisionSession:
     checked: set[str] = field(default_factory=set)
     collected: set[str] = field(default_factory=set)
     tests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    plots_skipped: bool = False
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> PrecisionSession:
@@ -389,35 +391,105 @@ class PrecisionSession:
         path = self.report_dir / "precision-report.json"
         document = {"schema_version": 1, "baseline_dir": os.fspath(self.baseline_dir), "tests": self.tests}
         write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")
+        self._write_summary_and_plots()
         return path
+
+    def _write_summary_and_plots(self) -> None:
+        """DIR/summary.md (also appended to $GITHUB_STEP_SUMMARY) and, with matplotlib, one PNG per test."""
+        from .baseline import load_baseline
+        from .plots import matplotlib_available, plot_error_vs_depth, plot_path
+        from .summary import markdown_summary, report_from_entry, write_summary
+
+        assert self.report_dir is not None
+        baselines: dict[str, Any] = {}
+        for nodeid, entry in self.tests.items():
+            try:
+                baselines[nodeid] = load_baseline(Path(entry["baseline"]), "").records()
+            except (PrecisionError, KeyError):
+                continue  # missing or unreadable: the test itself reports it
+        write_summary(self.report_dir, markdown_summary(self.tests, baselines))
+        self.plots_skipped = not matplotlib_available()
+        if self.plots_skipped:
+            return
+        for nodeid, entry in self.tests.items():
+            if "variants" in entry and "reference" in entry:
+                plot_error_vs_depth(
+                    report_from_entry(entry),
+                    plot_path(self.report_dir, nodeid),
+                    baseline=baselines.get(nodeid),
+                    title=nodeid,
+                )
 
 
 SESSION_KEY = pytest.StashKey[PrecisionSession]()
 
 
+#: The session's memoized reference runs (see PrecisionRunner.cache).
+REFERENCE_CACHE_KEY = pytest.StashKey["ReferenceCache"]()
+
+
 class PrecisionRunner:
-    """The `precision` fixture: `precision.run(model, inputs, variants=[...], **compare_kwargs)`."""
+    """The `precision` fixture: `precision.run(model, inputs, variants=[...], **compare_kwargs)`, or
+    `ref = precision.reference(model, inputs)` then `precision.run(ref, variants=[...])`."""
 
     def __init__(self, item: pytest.Item, device: str, session: PrecisionSession) -> None:
         self._item = item
         self._session = session
         self.device = device
 
+    @property
+    def cache(self) -> ReferenceCache:
+        """The session-wide cache of reference runs, created on first use (one per process)."""
+        from .references import ReferenceCache
+
+        stash = self._item.config.stash
+        cache = stash.get(REFERENCE_CACHE_KEY, None)
+        if cache is None:
+            cache = stash[REFERENCE_CACHE_KEY] = ReferenceCache()
+        return cache
+
+    def reference(self, model: Any, inputs: Any, **reference_kwargs: Any) -> Reference:
+        """`pytest_precision.reference` on the session's device, memoized in the session's cache."""
+        __tracebackhide__ = True
+        from .references import reference
+
+        reference_kwargs.setdefault("device", self.device)
+        reference_kwargs.setdefault("cache", self.cache)
+        try:
+            return reference(model, inputs, **reference_kwargs)
+        except PrecisionError as error:
+            message = f"{type(error).__name__}: {error}"
+        pytest.fail(message, pytrace=False)
+
     def run(
-        self, model: Any, inputs: Any, variants: Any, *, baseline: str | None = None, **compare_kwargs: Any
+        self,
+        model: Any,
+        inputs: Any = None,
+        variants: Any = None,
+        *,
+        baseline: str | None = None,
+        **compare_kwargs: Any,
     ) -> PrecisionReport:
         """`pytest_precision.compare` on the session's device; the tables are kept for --precision-tables.
 
+        `model` may be a Reference (from `precision.reference`); otherwise the reference run is memoized in
+        the session's cache (same model object, parameter values, inputs and options: computed once).
         Comparing against a baseline, fp16 variants reuse the loss scale recorded there (unless `loss_scale=`
         is given), so a gradient crossing a power of two cannot make the gate flap; `baseline` names the
         stem when the test passes one to assert_precision_within too.
         """
         __tracebackhide__ = True
         from .comparison import compare
+        from .references import Reference
 
-        compare_kwargs.setdefault("device", self.device)
+        if isinstance(model, Reference):
+            device = str(compare_kwargs.get("device") or model.device)
+        else:
+            compare_kwargs.setdefault("device", self.device)
+            compare_kwargs.setdefault("cache", self.cache)
+            device = str(compare_kwargs["device"])
         if "loss_scale" not in compare_kwargs and not self._session.update:
-            scales = self._session.recorded_loss_scales(self._item, baseline, str(compare_kwargs["device"]))
+            scales = self._session.recorded_loss_scales(self._item, baseline, device)
             if scales:
                 compare_kwargs["loss_scale"] = scales
         try:

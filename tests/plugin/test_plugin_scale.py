@@ -118,6 +118,11 @@ def test_session_report_and_junit_property(pytester, monkeypatch):
     assert entry["baseline"] == "baselines/test_gate/test_name.cpu.json"
     assert [r["name"] for r in entry["variants"]["bf16"]["records"]][:2] == ["embed", "blocks.0"]
 
+    summary = (pytester.path / "out" / "summary.md").read_text()
+    assert "### `test_gate.py::test_name`: passed" in summary
+    png = pytester.path / "out" / "test_name.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     properties = {
         p.get("name"): p.get("value") for p in ElementTree.parse(pytester.path / "junit.xml").iter("property")
     }
@@ -147,3 +152,17 @@ def test_session_report_is_merged_from_xdist_workers(pytester, monkeypatch):
     report = json.loads((pytester.path / "out" / "precision-report.json").read_text())
     assert sorted(report["tests"]) == [f"test_many.py::test_seed[{i}]" for i in range(4)]
     assert {entry["baseline_outcome"] for entry in report["tests"].values()} == {"written"}
+
+
+def test_without_matplotlib_the_plots_are_a_one_line_note(pytester, monkeypatch):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    step_summary = pytester.path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step_summary))
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
+    result = run(pytester, "--update-baselines", "--precision-report", "out")
+    result.assert_outcomes(passed=1)
+    assert "precision plots: skipped, matplotlib is not installed (pip install 'pytest-precision[plot]')" in output(
+        result
+    )
+    assert not list((pytester.path / "out").glob("*.png"))
+    assert "### `test_gate.py::test_name`: passed" in step_summary.read_text()

@@ -1,0 +1,414 @@
+"""A reference run computed once: its captured tensors, and what comparing variants against them needs.
+
+`reference(model, inputs, ...)` runs the reference (see compare) and returns a `Reference`; `compare(ref,
+variants=[...])` measures variants against it without running the reference again. `ReferenceCache` memoizes
+references (compare(cache=...), the plugin's `precision` fixture keeps one per session), keyed by the model
+object, a checksum of its parameters and buffers, the inputs and every setting the reference run depends on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .batch import Batch
+from .errors import ConfigurationError
+from .report import RunInfo
+from .variants import Variant
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .comparison import LossFn
+    from .model_build import ModelFactory
+
+TensorKey = tuple[str, str]
+#: safetensors metadata key holding the JSON description of a saved Reference.
+METADATA_KEY = "pytest_precision.reference"
+FORMAT_VERSION = 1
+_INPUT_PREFIX = "__inputs__/"
+#: Elements per slice when checksumming a tensor in float64 (bounds the temporary copy: 128 MiB).
+_CHECKSUM_CHUNK = 1 << 24
+#: offload=None offloads on CUDA above this many bytes of parameters.
+OFFLOAD_THRESHOLD_BYTES = 1 << 30
+
+
+class _OnDevice(Mapping[TensorKey, "torch.Tensor"]):
+    """Host-held reference tensors, each moved to the run's device when looked up (one at a time)."""
+
+    def __init__(self, stored: Mapping[TensorKey, torch.Tensor], device: torch.device) -> None:
+        self._stored = stored
+        self._device = device
+
+    def __getitem__(self, key: TensorKey) -> torch.Tensor:
+        return self._stored[key].to(self._device)
+
+    def __iter__(self) -> Iterator[TensorKey]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
+@dataclass(eq=False)
+class Reference:
+    """The reference run of one model on one batch: its captured tensors and the settings to compare with.
+
+    Build one with `pytest_precision.reference(...)` (or `precision.reference(...)` in a test), compare
+    variants with `compare(ref, variants=[...])` / `precision.run(ref, variants=[...])`. It holds the user's
+    model (or factory) itself, not a copy: the variants are built from it. `save(path)` / `Reference.load`
+    write and read the captured tensors as safetensors.
+    """
+
+    source: nn.Module | ModelFactory | None
+    batch: Batch
+    device: torch.device
+    variant: Variant
+    loss_fn: LossFn | None
+    backward: bool
+    modules: tuple[str, ...] | None
+    module_names: list[str]
+    temperature: float
+    clip_eps: float
+    info: RunInfo
+    stored: dict[TensorKey, torch.Tensor]
+    offload: bool
+    #: state_checksum of the model when the reference ran (None for a factory).
+    checksum: tuple[Any, ...] | None = None
+    #: The qualified name of the custom loss_fn the reference ran with (None: the model's own loss).
+    loss_fn_name: str | None = None
+    #: Where it was loaded from (None when computed here).
+    path: str | None = None
+    #: repeats -> per-tensor noise of the reference's repeats (see compare), computed on first need.
+    noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)
+
+    @property
+    def model(self) -> nn.Module | ModelFactory | None:
+        """The model (or factory) the variants are built from; None for a Reference loaded without one."""
+        return self.source
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the captured tensors."""
+        return sum(t.numel() * t.element_size() for t in self.stored.values())
+
+    def tensors(self) -> Mapping[TensorKey, torch.Tensor]:
+        """The captured tensors by (name, kind), each on the run's device when looked up."""
+        if all(t.device == self.device for t in self.stored.values()):
+            return self.stored
+        return _OnDevice(self.stored, self.device)
+
+    def with_model(self, model: nn.Module | ModelFactory | None) -> Reference:
+        """The same captured tensors bound to `model` (shared, not copied)."""
+        return dataclasses.replace(self, source=model)
+
+    def __repr__(self) -> str:
+        source = "None" if self.source is None else type(self.source).__name__
+        return (
+            f"Reference({self.variant.name}, model={source}, device={self.device}, tensors={len(self.stored)}, "
+            f"backward={self.backward}, offload={self.offload})"
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors."""
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        order = []
+        for (name, kind), tensor in self.stored.items():
+            key = f"{kind}/{name}"
+            order.append([name, kind])
+            tensors[key] = tensor.detach().cpu().contiguous()
+        inputs = {
+            "args": [_save_input(tensors, f"args/{i}", v) for i, v in enumerate(self.batch.args)],
+            "kwargs": {k: _save_input(tensors, f"kwargs/{k}", v) for k, v in self.batch.kwargs.items()},
+        }
+        metadata = {
+            "format": FORMAT_VERSION,
+            "reference": self.variant.to_dict(),
+            "run": self.info.to_dict(),
+            "modules": None if self.modules is None else list(self.modules),
+            "module_names": list(self.module_names),
+            "device": str(self.device),
+            "backward": self.backward,
+            "temperature": self.temperature,
+            "clip_eps": self.clip_eps,
+            "loss_fn": self.loss_fn_name,
+            "checksum": None if self.checksum is None else list(self.checksum),
+            "order": order,
+            "inputs": inputs,
+        }
+        save_file(tensors, os.fspath(path), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str],
+        model: nn.Module | ModelFactory | None = None,
+        *,
+        loss_fn: LossFn | None = None,
+        device: str | torch.device | None = None,
+    ) -> Reference:
+        """A Reference saved by `save`. Comparing variants against it needs `model` (the same model or a
+        factory building it) and, when the reference ran with a custom loss_fn, that `loss_fn` again.
+        The tensors stay on the host and move to `device` (default: the saved one) one at a time."""
+        import torch
+        from safetensors import safe_open
+
+        try:
+            with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:
+                raw = (handle.metadata() or {}).get(METADATA_KEY)
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        except (OSError, ValueError, RuntimeError) as error:
+            raise ConfigurationError(f"Reference.load({os.fspath(path)!r}): cannot read it: {error}") from error
+        if raw is None:
+            raise ConfigurationError(
+                f"Reference.load({os.fspath(path)!r}): no {METADATA_KEY} metadata; not written by Reference.save"
+            )
+        meta = json.loads(raw)
+        if meta.get("format") != FORMAT_VERSION:
+            raise ConfigurationError(f"Reference.load({os.fspath(path)!r}): unknown format {meta.get('format')!r}")
+        stored = {(name, kind): tensors[f"{kind}/{name}"] for name, kind in meta["order"]}
+        inputs = meta["inputs"]
+        batch = Batch(
+            tuple(_load_input(tensors, v) for v in inputs["args"]),
+            {k: _load_input(tensors, v) for k, v in inputs["kwargs"].items()},
+        )
+        spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
+        variant = Variant(**spec)
+        return cls(
+            source=model,
+            batch=batch,
+            device=torch.device(device if device is not None else meta["device"]),
+            variant=variant,
+            loss_fn=loss_fn,
+            backward=bool(meta["backward"]),
+            modules=None if meta["modules"] is None else tuple(meta["modules"]),
+            module_names=list(meta["module_names"]),
+            temperature=float(meta["temperature"]),
+            clip_eps=float(meta["clip_eps"]),
+            info=RunInfo.from_dict(meta["run"]),
+            stored=stored,
+            offload=True,
+            checksum=None if meta["checksum"] is None else tuple(meta["checksum"]),
+            loss_fn_name=meta["loss_fn"],
+            path=os.fspath(path),
+        )
+
+
+def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        tensors[_INPUT_PREFIX + key] = value.detach().cpu().contiguous()
+        return {"tensor": _INPUT_PREFIX + key, "requires_grad": bool(value.requires_grad)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    raise ConfigurationError(
+        f"Reference.save: input {key.split('/', 1)[1]!r} is a {type(value).__name__}; only tensors and "
+        "bool/int/float/str/None inputs can be saved"
+    )
+
+
+def _load_input(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> Any:
+    if "tensor" in entry:
+        return tensors[entry["tensor"]].requires_grad_(bool(entry["requires_grad"]))
+    return entry["value"]
+
+
+def qualified_name(function: object) -> str:
+    module = getattr(function, "__module__", None) or ""
+    name = getattr(function, "__qualname__", None) or type(function).__name__
+    return f"{module}.{name}" if module else name
+
+
+def _position_weights(count: int, start: int, device: torch.device) -> torch.Tensor:
+    """Fixed pseudo-random weights in [0, 1) of positions start .. start + count (float64)."""
+    import torch
+
+    positions = torch.arange(start, start + count, dtype=torch.float64, device=device)
+    return torch.frac(torch.sin(positions * 12.9898 + 78.233).abs() * 43758.5453)
+
+
+def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
+    """(sum, position-weighted sum) of a tensor in float64, on its device, in bounded slices."""
+    import torch
+
+    flat = tensor.detach().reshape(-1)
+    total = torch.zeros(2, dtype=torch.float64, device=flat.device)
+    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
+        piece = flat[start : start + _CHECKSUM_CHUNK].to(torch.float64)
+        weights = _position_weights(piece.numel(), start, flat.device)
+        total += torch.stack([piece.sum(), (piece * weights).sum()])
+    return total
+
+
+def _checksum(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
+    """Names, shapes, dtypes, devices and (sum, weighted sum) of each tensor, with one host copy per device."""
+    import torch
+
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, tensor in named:
+        by_device.setdefault(tensor.device, []).append(_tensor_sums(tensor))
+    sums: list[float] = []
+    for parts in by_device.values():
+        sums += torch.stack(parts).reshape(-1).cpu().tolist()
+    layout = tuple((name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in named)
+    return (layout, tuple(sums))
+
+
+def state_checksum(model: nn.Module) -> tuple[Any, ...]:
+    """A cheap fingerprint of every parameter and buffer (and the training flag): any in-place edit of a
+    value changes it (up to float64 rounding of a sum: an edit smaller than that can slip through)."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    return (model.training, _checksum(named))
+
+
+def _input_fingerprint(value: Any) -> Hashable:
+    """Hashable fingerprint of an input; raises TypeError for a value that has none."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        described = (tuple(value.shape), str(value.dtype), str(value.device), bool(value.requires_grad))
+        if value.device.type == "cpu":
+            data = value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+            return ("tensor", described, hashlib.sha256(data).hexdigest())
+        return ("tensor", described, _checksum([("", value)]))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_input_fingerprint(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _input_fingerprint(v)) for k, v in value.items()))
+    raise TypeError(f"no fingerprint for {type(value).__name__}")
+
+
+def cache_key(
+    model: object,
+    batch: Batch,
+    variant: Variant,
+    *,
+    loss_fn: object,
+    backward: bool,
+    modules: tuple[str, ...] | None,
+    device: torch.device,
+    temperature: float,
+    clip_eps: float,
+    offload: bool,
+) -> tuple[Hashable, tuple[Any, ...]] | None:
+    """(cache key, the model's checksum), or None when the reference cannot be memoized: a factory (its
+    output cannot be checksummed before it runs) or inputs without a fingerprint."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        return None
+    try:
+        inputs = _input_fingerprint((batch.args, batch.kwargs))
+    except TypeError:
+        return None
+    checksum = state_checksum(model)
+    spec = (json.dumps(variant.to_dict(), sort_keys=True), id(variant.prepare))
+    settings = (modules, id(loss_fn), backward, str(device), temperature, clip_eps, offload)
+    key = (id(model), checksum, inputs, spec, settings)
+    return key, checksum
+
+
+class ReferenceCache:
+    """Least-recently-used References, at most `max_entries` of them and (when given) `max_bytes` of
+    captured tensors in all. An entry holds its model weakly: it goes when the model does.
+
+    A hit needs the same model object with the same parameter and buffer values (checksum), the same
+    inputs and the same settings; anything else runs the reference again.
+    """
+
+    def __init__(self, max_entries: int = 2, max_bytes: int | None = None) -> None:
+        if max_entries < 1:
+            raise ConfigurationError(f"ReferenceCache: max_entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.hits = 0
+        self.misses = 0
+        self._entries: OrderedDict[Hashable, tuple[weakref.ref[Any], Reference]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[Hashable]:
+        """Keys from least to most recently used."""
+        return list(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ref.nbytes for _, ref in self._entries.values())
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(self, key: Hashable, model: object) -> Reference | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not model:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry[1].with_model(model)  # type: ignore[arg-type]
+
+    def put(self, key: Hashable, model: object, reference: Reference) -> None:
+        if self.max_bytes is not None and reference.nbytes > self.max_bytes:
+            return
+        entries = self._entries
+
+        def drop(_: object) -> None:
+            entries.pop(key, None)
+
+        entries[key] = (weakref.ref(model, drop), reference.with_model(None))
+        entries.move_to_end(key)
+        while len(entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
+            entries.popitem(last=False)
+
+
+def reference(
+    model: nn.Module | ModelFactory,
+    inputs: Any,
+    *,
+    reference: str | Variant = "fp32",
+    loss_fn: LossFn | None = None,
+    backward: bool = True,
+    modules: Sequence[str] | None = None,
+    device: str | torch.device | None = None,
+    temperature: float = 1.0,
+    clip_eps: float | None = None,
+    offload: bool | None = None,
+    cache: ReferenceCache | None = None,
+) -> Reference:
+    """Run the reference of `model` on `inputs` once; compare variants with `compare(ref, variants=[...])`.
+
+    The arguments are compare's. offload: keep the captured tensors on the host, each moved to the device
+    when compared (default: on CUDA when the model holds more than 1 GiB of parameters).
+    """
+    from .comparison import build_reference
+
+    return build_reference(
+        model,
+        inputs,
+        reference=reference,
+        loss_fn=loss_fn,
+        backward=backward,
+        modules=modules,
+        device=device,
+        temperature=temperature,
+        clip_eps=clip_eps,
+        offload=offload,
+        cache=cache,
+    )
+
+
+__all__ = ["Reference", "ReferenceCache", "reference", "state_checksum"]
