@@ -186,6 +186,61 @@ def metrics_from_sums(
     )
 
 
+def _finite_chunk(
+    x: torch.Tensor, y: torch.Tensor, d: torch.Tensor, sum_x: torch.Tensor, sum_d: torch.Tensor
+) -> torch.Tensor:
+    """The 12 running values of an all-finite chunk: dot products and min/max, no masks or temporaries."""
+    import torch
+
+    x_min, x_max = torch.aminmax(x)
+    y_min, y_max = torch.aminmax(y)
+    d_min, d_max = torch.aminmax(d)
+    return torch.stack(
+        [
+            sum_x.new_tensor(float(x.numel())),
+            sum_x,
+            sum_d,
+            torch.dot(x, x),
+            torch.dot(d, d),
+            torch.dot(x, d),
+            torch.maximum(-d_min, d_max),
+            sum_x.new_zeros(()),
+            x_min,
+            x_max,
+            y_min,
+            y_max,
+        ]
+    )
+
+
+def _masked_chunk(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The 12 running values of a chunk holding NaN/Inf: only elements finite on both sides count."""
+    import torch
+
+    x_finite = torch.isfinite(x)
+    y_finite = torch.isfinite(y)
+    both = x_finite & y_finite
+    d = torch.where(both, y - x, 0.0)
+    x_kept = torch.where(both, x, 0.0)
+    any_kept = d.numel() > 0
+    return torch.stack(
+        [
+            both.sum(dtype=torch.float64),
+            x_kept.sum(),
+            d.sum(),
+            (x_kept * x_kept).sum(),
+            (d * d).sum(),
+            (x_kept * d).sum(),
+            d.abs().max() if any_kept else d.new_zeros(()),
+            (x_finite & ~y_finite).sum(dtype=torch.float64),
+            torch.where(both, x, math.inf).min() if any_kept else d.new_full((), math.inf),
+            torch.where(both, x, -math.inf).max() if any_kept else d.new_full((), -math.inf),
+            torch.where(both, y, math.inf).min() if any_kept else d.new_full((), math.inf),
+            torch.where(both, y, -math.inf).max() if any_kept else d.new_full((), -math.inf),
+        ]
+    )
+
+
 def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
     """Compare `variant` to `reference` (same shape) in float64, in one fused, chunked pass on their device.
 
@@ -206,32 +261,14 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
     for start in range(0, x_all.numel(), _CHUNK_ELEMENTS):
         x = x_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
         y = y_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
-        x_finite = torch.isfinite(x)
-        y_finite = torch.isfinite(y)
-        both = x_finite & y_finite
-        d = torch.where(both, y - x, 0.0)
-        x = torch.where(both, x, 0.0)
-        y = torch.where(both, y, 0.0)
-        any_compared = d.numel() > 0  # all-excluded chunks give +-inf extremes, which merge harmlessly
-        extremes = [
-            torch.where(both, x, math.inf).min() if any_compared else d.new_full((), math.inf),
-            torch.where(both, x, -math.inf).max() if any_compared else d.new_full((), -math.inf),
-            torch.where(both, y, math.inf).min() if any_compared else d.new_full((), math.inf),
-            torch.where(both, y, -math.inf).max() if any_compared else d.new_full((), -math.inf),
-        ]
-        chunk = torch.stack(
-            [
-                both.sum(dtype=torch.float64),
-                x.sum(),
-                d.sum(),
-                (x * x).sum(),
-                (d * d).sum(),
-                (x * d).sum(),
-                d.abs().max() if d.numel() else d.new_zeros(()),
-                (x_finite & ~y_finite).sum(dtype=torch.float64),
-                *extremes,
-            ]
-        )
+        d = y - x
+        sum_x, sum_d = x.sum(), d.sum()
+        # One scalar tells whether the chunk is all finite (any NaN/Inf makes a sum non-finite; sums of
+        # float32-range values cannot overflow float64): then a fast pass without masks, else the masked one.
+        if d.numel() and bool(torch.isfinite(sum_x + sum_d)):
+            chunk = _finite_chunk(x, y, d, sum_x, sum_d)
+        else:
+            chunk = _masked_chunk(x, y)
         totals[:6] += chunk[:6]
         totals[6] = torch.maximum(totals[6], chunk[6])
         totals[7] += chunk[7]
