@@ -527,6 +527,7 @@ def build_reference(
     clip_eps: float | None = None,
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
+    checksum: bool = True,
 ) -> Reference:
     """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
     this model, with the same parameter values, inputs and settings."""
@@ -574,7 +575,11 @@ def build_reference(
         info=None,  # type: ignore[arg-type]  # set below, once the reference ran
         stored={},
         offload=offload,
-        checksum=keyed[1] if keyed is not None else (state_checksum(model) if isinstance(model, nn.Module) else None),
+        # The checksum lets a kept Reference detect an in-place edit later; a throwaway one (compare() without a
+        # cache) is used at once, so it skips that pass over every parameter.
+        checksum=keyed[1]
+        if keyed is not None
+        else (state_checksum(model) if checksum and isinstance(model, nn.Module) else None),
         loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
     )
     runner = _runner(ref)
@@ -751,6 +756,7 @@ def compare(
         clip_eps=clip_eps,
         offload=offload,
         cache=cache,
+        checksum=cache is not None,
     )
     try:
         return measure(ref, variant_list, loss_scale=loss_scale, repeats=repeats, verify=False)
