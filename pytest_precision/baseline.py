@@ -70,7 +70,7 @@ def payload(report: PrecisionReport, test_id: str) -> dict[str, Any]:
         variants[name] = {
             "spec": spec,
             "run": run,
-            "records": [report_record(r) for r in report.records(name)],
+            "records": [r.to_dict() for r in report.records(name)],
         }
     reference = report.reference.to_dict()
     rounded: dict[str, Any] = json_ready(
@@ -84,10 +84,6 @@ def payload(report: PrecisionReport, test_id: str) -> dict[str, Any]:
         }
     )
     return rounded
-
-
-def report_record(record: Record) -> dict[str, Any]:
-    return record.to_dict()
 
 
 def render(document: dict[str, Any]) -> str:
@@ -132,9 +128,6 @@ class Baseline:
             name: [Record.from_dict({k: _restored(v) for k, v in r.items()}) for r in entry["records"]]
             for name, entry in self.data["variants"].items()
         }
-
-    def without_environment(self) -> dict[str, Any]:
-        return {k: v for k, v in self.data.items() if k != "environment"}
 
 
 def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -> Baseline:
@@ -220,8 +213,9 @@ def report_from_document(data: dict[str, Any], path: Path) -> PrecisionReport:
 
     try:
         report = PrecisionReport(reference=run_info(data["reference"]), device=str(data.get("device", "cpu")))
-        records = Baseline(path, data).records()
-        for name in data.get("variant_order") or list(data["variants"]):
+        baseline = Baseline(path, data)
+        records = baseline.records()
+        for name in baseline.variant_order:
             report.add(name, run_info(data["variants"][name]), records[name], [])
     except (KeyError, TypeError) as error:
         raise BaselineError(f"{path} is not a complete precision baseline (missing {error})") from None

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import ConfigurationError
-from .model_build import map_floating
 
 if TYPE_CHECKING:
     import torch
@@ -100,4 +99,4 @@ def apply_mask(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return tensor[mask.to(tensor.device)]
 
 
-__all__ = ["Batch", "apply_mask", "map_floating", "to_batch"]
+__all__ = ["Batch", "apply_mask", "to_batch"]

@@ -109,11 +109,8 @@ def diff_rows(
     return sorted(rows, key=change, reverse=True)
 
 
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4g}"
-
-
 def _diff(arguments: argparse.Namespace) -> int:
+    from .messages import format_number
     from .metrics import METRIC_DIRECTIONS
     from .tables import render
     from .tolerance import Tolerance, is_worse
@@ -147,8 +144,8 @@ def _diff(arguments: argparse.Namespace) -> int:
                 t,
                 k,
                 m,
-                _number(a),
-                _number(b),
+                format_number(a),
+                format_number(b),
                 "-" if ratio is None else f"{ratio:.3g}x",
                 "WORSE" if (v, t, k, m, a, b, ratio) in got_worse else "",
             ]

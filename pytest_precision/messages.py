@@ -38,7 +38,8 @@ def execution_order(violations: Sequence[Violation], order: dict[tuple[str, str,
     )
 
 
-def _number(value: float | None) -> str:
+def format_number(value: float | None) -> str:
+    """4 significant digits; '-' for undefined, 'inf' / '-inf' for infinities."""
     if value is None:
         return "-"
     if isinstance(value, float) and math.isinf(value):
@@ -63,7 +64,18 @@ def violation_table(violations: Sequence[Violation]) -> list[str]:
             side = "not in this run" if v.reason == "missing" else "not in the baseline"
             rows.append([v.variant, v.name, v.kind, f"{v.reason} {what}", side, "", "", ""])
         elif v.reason == "limit":
-            rows.append([v.variant, v.name, v.kind, v.metric, "(limit)", _number(v.obtained), "", _number(v.allowed)])
+            rows.append(
+                [
+                    v.variant,
+                    v.name,
+                    v.kind,
+                    v.metric,
+                    "(limit)",
+                    format_number(v.obtained),
+                    "",
+                    format_number(v.allowed),
+                ]
+            )
         else:
             rows.append(
                 [
@@ -71,10 +83,10 @@ def violation_table(violations: Sequence[Violation]) -> list[str]:
                     v.name,
                     v.kind,
                     v.metric,
-                    _number(v.expected),
-                    _number(v.obtained),
+                    format_number(v.expected),
+                    format_number(v.obtained),
                     _ratio(v),
-                    _number(v.allowed),
+                    format_number(v.allowed),
                 ]
             )
     lines = render(header, rows, left=4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,13 +180,6 @@ class PrecisionReport:
             )
         report.nonfinite_origin = dict(data.get("nonfinite_origin") or {})
         return report
-
-
-def finite_or_none(value: float | None) -> float | None:
-    """None for None and NaN; infinities kept."""
-    if value is None or math.isnan(value):
-        return None
-    return value
 
 
 __all__ = ["KINDS", "METRIC_NAMES", "PrecisionReport", "Record", "RunInfo"]

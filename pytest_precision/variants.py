@@ -91,11 +91,6 @@ class Variant:
         return hash((self.name, self.dtype, self.autocast, self.fp32_modules, self.matmul_precision))
 
     @property
-    def compute_dtype(self) -> DTypeName:
-        """The dtype the bulk of the model computes in."""
-        return self.dtype
-
-    @property
     def weight_dtype(self) -> DTypeName:
         """The dtype parameters are stored in during the run."""
         return "float32" if self.autocast else self.dtype
