@@ -336,14 +336,14 @@ class PrecisionSession:
 
     def summary_lines(self, stale: list[Path] | None = None) -> list[str]:
         """The terminal summary: outcome counts, then improvements, environment warnings and stale files."""
-        from .messages import refresh_command
-
         order = ("written", "updated", "unchanged", "passed", "failed", "missing")
         parts = [f"{self.outcomes[k]} {k}" for k in order if self.outcomes[k]]
         lines = []
         if parts:
             mode = "update" if self.update else "compare"
             lines.append(f"precision baselines ({mode}, {self._shown(self.baseline_dir)}): {', '.join(parts)}")
+        if self.improvements:
+            from .messages import refresh_command  # not imported by sessions without precision tests
         for nodeid, count in sorted(self.improvements.items()):
             lines.append(
                 f"precision improved: {nodeid}: {count} tensor(s) beyond tolerance; tighten the baseline with: "
@@ -363,10 +363,10 @@ class PrecisionSession:
         A test that ran its check owns the files it used (and those for other devices); a test that was
         collected but skipped, deselected or stopped before its check owns every file recording its id.
         """
-        from .environment import device_key
-
         if not self.baseline_dir.is_dir():
             return []
+        from .environment import device_key
+
         current_device = device_key(self.device)
         stale = []
         for path in sorted(self.baseline_dir.rglob("*.json")):
@@ -384,10 +384,10 @@ class PrecisionSession:
 
     def write_report(self) -> Path | None:
         """The session report: one JSON file with every precision test's outcome and records."""
-        from .baseline import json_ready, write_atomically
-
         if self.report_dir is None:
             return None
+        from .baseline import json_ready, write_atomically
+
         path = self.report_dir / "precision-report.json"
         document = {"schema_version": 1, "baseline_dir": os.fspath(self.baseline_dir), "tests": self.tests}
         write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")

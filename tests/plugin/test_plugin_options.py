@@ -194,9 +194,28 @@ def test_a_session_without_precision_tests_does_not_import_torch(pytester):
             assert "torch" not in sys.modules
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    # After the plugin's own session-end hooks: which of its modules a session without precision tests loaded.
+    pytester.makeconftest(
+        """
+        import sys
+
+
+        def pytest_unconfigure(config):
+            loaded = sorted(m for m in sys.modules if m.startswith("pytest_precision.") or m == "torch")
+            print("loaded:", " ".join(loaded))
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["precision: torch 2.13*, device cpu, threads *"])
+    # The summary, stale-file and report paths return before importing the baseline, message, table and
+    # metric modules (tens of milliseconds of a pytest start otherwise).
+    result.stdout.fnmatch_lines(
+        [
+            "loaded: pytest_precision.assertion pytest_precision.environment pytest_precision.errors "
+            "pytest_precision.plugin pytest_precision.session"
+        ]
+    )
 
 
 def test_compare_is_importable_after_the_fixture_ran(pytester, monkeypatch):
