@@ -300,20 +300,41 @@ class _Runner:
         return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor
 
 
+class LargestGradient:
+    """A sink keeping the largest finite |gradient| over the bw and grad tensors it sees, on their device
+    (read once, at the end: no host sync per tensor)."""
+
+    def __init__(self) -> None:
+        self.largest: torch.Tensor | None = None
+
+    def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        import torch
+
+        if kind not in GRADIENT_KINDS or not tensor.numel():
+            return
+        magnitude = tensor.detach().abs().nan_to_num(nan=0.0, posinf=0.0).amax().to(torch.float64)
+        self.largest = magnitude if self.largest is None else torch.maximum(self.largest, magnitude)
+
+    def value(self) -> float:
+        return 0.0 if self.largest is None else float(self.largest)
+
+
 def _calibrate_loss_scale(runner: _Runner, variant: Variant) -> float:
-    """Run `variant` unscaled and size the loss scale from its largest finite gradient."""
-    import torch
-
-    largest = torch.zeros((), dtype=torch.float64, device=runner.device)
-
-    def probe(name: str, kind: str, tensor: torch.Tensor) -> None:
-        nonlocal largest
-        if kind in GRADIENT_KINDS and tensor.numel():
-            magnitude = tensor.detach().abs().to(torch.float64)
-            largest = torch.maximum(largest, torch.where(torch.isfinite(magnitude), magnitude, 0.0).max())
-
+    """Run `variant` unscaled and size the loss scale from its largest finite gradient (loss_scale="calibrate")."""
+    probe = LargestGradient()
     runner.run(variant, probe)
-    return fp16_loss_scale(float(largest))
+    return fp16_loss_scale(probe.value())
+
+
+def reference_max_gradient(ref: Reference) -> float:
+    """The reference's largest finite |gradient| over its bw and grad tensors: the default fp16 loss scale's
+    measure (the fp16 variant computes the same gradients, rounded), computed once per Reference."""
+    if ref.max_gradient is None:
+        probe = LargestGradient()
+        for (name, kind), tensor in ref.tensors().items():
+            probe(name, kind, tensor)
+        ref.max_gradient = probe.value()
+    return ref.max_gradient
 
 
 class _VariantPass:
@@ -413,8 +434,9 @@ def _measure_variant(
     runner: _Runner,
     variant: Variant,
     stored: Mapping[TensorKey, torch.Tensor],
-    loss_scale: float | None,
+    loss_scale: float | str | None,
     *,
+    reference_gradient: Callable[[], float],
     repeats: int = 1,
     noise: Mapping[TensorKey, float] | None = None,
     origin: dict[str, str] | None = None,
@@ -422,8 +444,9 @@ def _measure_variant(
     """Run `variant` against the stored reference tensors.
 
     A variant computing in fp16 gets its loss scaled (fp16 gradients underflow without it): by `loss_scale`
-    when given, else by a calibration pass; the gradients are unscaled in float64 before comparison, and a
-    scaled pass whose gradients overflow is retried at half the scale.
+    when it is a number; by a calibration pass of the variant itself when it is "calibrate"; else sized from
+    `reference_gradient()`, the reference's largest |gradient|. The gradients are unscaled in float64 before
+    comparison, and a scaled pass whose gradients overflow is retried at half the scale.
 
     With `repeats` > 1 the variant runs that many times at the first pass's loss scale; each record (the
     first pass's) gets its `spread` (see compare). With `origin`, a pass producing NaN/Inf is followed by a
@@ -432,7 +455,12 @@ def _measure_variant(
     scaled = runner.backward and variant.dtype == "float16"
     scale = 1.0
     if scaled:
-        scale = loss_scale if loss_scale is not None else _calibrate_loss_scale(runner, variant)
+        if loss_scale == CALIBRATE:
+            scale = _calibrate_loss_scale(runner, variant)
+        elif loss_scale is None:
+            scale = fp16_loss_scale(reference_gradient())
+        else:
+            scale = float(loss_scale)
     while True:
         measured = _VariantPass(runner, variant, stored, scale)
         info = runner.run(variant, measured.measure, scale)
@@ -455,16 +483,25 @@ def _measure_variant(
     return (dataclasses.replace(info, loss_scale=scale) if scaled else info), records
 
 
-LossScale = float | Mapping[str, float] | None
+#: loss_scale="calibrate": size each fp16 variant's scale by an unscaled pass of the variant itself.
+CALIBRATE = "calibrate"
+LossScale = float | str | Mapping[str, float | str] | None
 
 
-def _loss_scale_for(loss_scale: LossScale, variant: str) -> float | None:
-    if loss_scale is None:
-        return None
-    if isinstance(loss_scale, Mapping):
-        value = loss_scale.get(variant)
-        return None if value is None else float(value)
-    return float(loss_scale)
+def _loss_scale_for(loss_scale: LossScale, variant: str) -> float | str | None:
+    """`variant`'s entry of `loss_scale`: a positive number, "calibrate", or None (from the reference)."""
+    value = loss_scale.get(variant) if isinstance(loss_scale, Mapping) else loss_scale
+    if value is None or value == CALIBRATE:
+        return value
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise ConfigurationError(
+            f"loss_scale for {variant!r} must be a positive number or {CALIBRATE!r}, got {value!r}"
+        )
+    return number
 
 
 def _check_model(model: object) -> None:
@@ -586,12 +623,16 @@ def build_reference(
     stored = ref.stored
     host = torch.device("cpu")
 
+    largest_gradient = LargestGradient()
+
     def keep(name: str, kind: str, tensor: torch.Tensor) -> None:
         # Cloned: a later in-place op in the model must not change what was captured.
         stored[(name, kind)] = tensor.detach().to(host, copy=True) if offload else tensor.detach().clone()
+        largest_gradient(name, kind, tensor)  # on the device, before any offload
 
     with preserved_rng(run_device):
         ref.info = runner.run(reference_variant, keep)
+    ref.max_gradient = largest_gradient.value() if backward else None
     ref.module_names = list(runner.module_names or [])
     if cache is not None and keyed is not None:
         cache.put(keyed[0], model, ref)
@@ -661,6 +702,7 @@ def measure(
                 variant,
                 stored,
                 _loss_scale_for(loss_scale, variant.name),
+                reference_gradient=lambda: reference_max_gradient(ref),
                 repeats=repeats,
                 noise=noise,
                 origin=report.nonfinite_origin,
@@ -701,7 +743,9 @@ def compare(
     modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
     temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction
         (default 1.0 and 0.2).
-    loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: calibrated.
+    loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: sized from the
+        reference's largest |gradient| (see fp16_loss_scale); "calibrate": from an unscaled pass of the
+        variant itself (one more forward and backward per fp16 variant).
     repeats: runs of the reference and of each variant, to measure run-to-run noise (non-deterministic
         kernels). With repeats > 1 every record gets `spread`: the max - min of its rms_rel over the
         variant's runs (each against the reference's first run) plus the largest rms_rel of a reference

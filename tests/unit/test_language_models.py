@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from conftest import tiny_gpt2, tiny_llama, tiny_qwen2
-from pytest_precision import compare
+from pytest_precision import Reference, compare, reference
 from pytest_precision.backend_flags import snapshot_backend_state
 from pytest_precision.comparison import fp16_loss_scale
+from pytest_precision.errors import ConfigurationError
 from pytest_precision.inputs import from_text, random_tokens
 from pytest_precision.model_build import build_run_model
 from pytest_precision.variants import BUILTIN_VARIANTS, Variant
@@ -164,6 +165,74 @@ def test_fp16_gradients_underflow_without_loss_scaling_and_match_with_it():
     assert again.records("fp16") == scaled.records("fp16")
     # Only fp16 variants are scaled.
     assert compare(model, batch(), ["bf16"]).runs["bf16"].loss_scale is None
+
+
+def largest_reference_gradient(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> float:
+    """max |gradient| over every parameter's .grad and the captured modules' backward tensors, from an fp32
+    run done by hand (numpy float64 reductions): what the default fp16 loss scale is sized from."""
+    run_model = copy.deepcopy(model)
+    grads: list[np.ndarray] = []
+    names = ["model.embed_tokens", *[f"model.layers.{i}" for i in range(len(run_model.model.layers))]]
+    names += ["model.norm", "lm_head"]
+    handles = [
+        run_model.get_submodule(name).register_full_backward_hook(
+            lambda module, grad_in, grad_out: grads.append(grad_out[0].detach().double().numpy())
+        )
+        for name in names
+    ]
+    output = run_model(**inputs)
+    output.logits.retain_grad()
+    output.loss.backward()
+    for handle in handles:
+        handle.remove()
+    grads += [p.grad.double().numpy() for p in run_model.parameters()]
+    grads.append(output.logits.grad.double().numpy())
+    return max(float(np.abs(g).max()) for g in grads)
+
+
+def counting_factory(model: torch.nn.Module, calls: list[str]):
+    def factory(dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        calls.append(str(dtype))
+        return copy.deepcopy(model).to(dtype=dtype, device=device)
+
+    return factory
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+def test_the_default_fp16_loss_scale_comes_from_the_reference_gradients_without_an_extra_pass():
+    model, inputs = tiny_llama(layers=2), batch(length=24)
+    largest = largest_reference_gradient(model, inputs)
+    assert reference(model, inputs).max_gradient == pytest.approx(largest, rel=1e-6)
+    expected = fp16_loss_scale(largest)
+    assert expected > 1
+    assert compare(model, inputs, ["fp16"]).runs["fp16"].loss_scale == expected
+    # Runs per compare: the reference and the variant only; "calibrate" adds an unscaled fp16 pass.
+    calls: list[str] = []
+    compare(counting_factory(model, calls), inputs, ["fp16"])
+    assert calls == ["torch.float32", "torch.float16"]
+    calls.clear()
+    calibrated = compare(counting_factory(model, calls), inputs, ["fp16"], loss_scale="calibrate")
+    assert calls == ["torch.float32", "torch.float16", "torch.float16"]
+    scale = calibrated.runs["fp16"].loss_scale
+    assert scale is not None and math.log2(scale).is_integer() and scale > 1
+
+
+def test_a_loaded_reference_sizes_the_same_loss_scale(tmp_path):
+    model, inputs = tiny_llama(layers=2), batch(length=24)
+    ref = reference(model, inputs)
+    ref.save(tmp_path / "ref.safetensors")
+    loaded = Reference.load(tmp_path / "ref.safetensors", model=model)
+    assert loaded.max_gradient is None  # computed on first need, from the loaded tensors
+    built = compare(ref, variants=["fp16"]).runs["fp16"].loss_scale
+    assert compare(loaded, variants=["fp16"]).runs["fp16"].loss_scale == built
+    assert loaded.max_gradient == ref.max_gradient
+
+
+@pytest.mark.parametrize("bad", ["auto", -2.0, 0, math.inf, [1.0]])
+def test_a_bad_loss_scale_names_the_variant(bad):
+    model, inputs = tiny_llama(layers=1), batch(length=8)
+    with pytest.raises(ConfigurationError, match=r"loss_scale for 'fp16' must be a positive number or 'calibrate'"):
+        compare(model, inputs, ["fp16"], loss_scale={"fp16": bad})
 
 
 def test_an_overflowing_loss_scale_is_halved_until_gradients_are_finite():
