@@ -620,23 +620,68 @@ def build_reference(
         loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
     )
     runner = _runner(ref)
-    stored = ref.stored
-    host = torch.device("cpu")
-
-    largest_gradient = LargestGradient()
-
-    def keep(name: str, kind: str, tensor: torch.Tensor) -> None:
-        # Cloned: a later in-place op in the model must not change what was captured.
-        stored[(name, kind)] = tensor.detach().to(host, copy=True) if offload else tensor.detach().clone()
-        largest_gradient(name, kind, tensor)  # on the device, before any offload
-
     with preserved_rng(run_device):
-        ref.info = runner.run(reference_variant, keep)
-    ref.max_gradient = largest_gradient.value() if backward else None
+        ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, offload)
+    if not backward:
+        ref.max_gradient = None
     ref.module_names = list(runner.module_names or [])
     if cache is not None and keyed is not None:
         cache.put(keyed[0], model, ref)
     return ref
+
+
+class _ReferenceKeeper:
+    """The reference run's sink: keeps each tensor (see _run_reference) and the largest |gradient|."""
+
+    def __init__(self, stored: dict[TensorKey, torch.Tensor], *, offload: bool, clone_all: bool) -> None:
+        self.stored = stored
+        self.offload = offload
+        self.clone_all = clone_all
+        self.versions: dict[TensorKey, int] = {}
+        self.largest_gradient = LargestGradient()
+        stored.clear()
+
+    def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        kept = tensor.detach()
+        self.largest_gradient(name, kind, kept)  # on the device, before any offload
+        version = None if self.clone_all or self.offload else _version_of(kept)
+        if version is None:
+            kept = kept.to("cpu", copy=True) if self.offload else kept.clone()
+        else:
+            self.versions[(name, kind)] = version
+        self.stored[(name, kind)] = kept
+
+    def untouched(self) -> bool:
+        """Whether no tensor kept without a copy was written in place since it was kept."""
+        return all(_version_of(self.stored[key]) == version for key, version in self.versions.items())
+
+
+def _run_reference(
+    runner: _Runner, variant: Variant, stored: dict[TensorKey, torch.Tensor], offload: bool
+) -> tuple[RunInfo, float]:
+    """Run the reference, keeping its tensors in `stored`; returns its RunInfo and largest |gradient|.
+
+    A later in-place op in the model must not change what was captured. Rather than cloning every tensor, each
+    is kept as produced with its version counter; should any have been written in place by the end of the run
+    (rare: in-place residual adds, gradient buffers reused by autograd), the run is repeated cloning every
+    tensor. Views and tensors without a version counter (inference mode) are cloned at once.
+    """
+    keeper = _ReferenceKeeper(stored, offload=offload, clone_all=False)
+    info = runner.run(variant, keeper)
+    if not keeper.untouched():
+        keeper = _ReferenceKeeper(stored, offload=offload, clone_all=True)
+        info = runner.run(variant, keeper)
+    return info, keeper.largest_gradient.value()
+
+
+def _version_of(tensor: torch.Tensor) -> int | None:
+    """The version counter of a tensor that owns its whole storage, else None (keep a copy instead)."""
+    if tensor._base is not None or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        return None
+    try:
+        return int(tensor._version)
+    except RuntimeError:  # an inference tensor tracks no version
+        return None
 
 
 def _is_module(model: object) -> bool:

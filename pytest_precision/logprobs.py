@@ -21,9 +21,6 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100
 DEFAULT_CLIP_EPS = 0.2
-# Rows of the vocabulary processed at once when comparing whole distributions: bounds the float64
-# temporaries to (rows x vocab).
-_ROWS_PER_CHUNK = 1024
 
 
 def next_token_targets(
@@ -41,11 +38,28 @@ def next_token_targets(
 def chosen_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0, dtype: torch.dtype | None = None
 ) -> torch.Tensor:
-    """(batch, seq - 1) log-probabilities of `targets` under logits[:, :-1], computed in `dtype` (float32)."""
+    """(batch, seq - 1) log-probabilities of `targets` under logits[:, :-1], computed in `dtype` (float32).
+
+    A few rows at a time (see metrics.chunk_elements): each row's log-softmax is independent of the others,
+    so the values are those of one whole-tensor log_softmax, without its vocabulary-sized temporaries."""
     import torch
 
-    work = logits[:, :-1].to(dtype or torch.float32) / temperature
-    return torch.log_softmax(work, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    from .metrics import chunk_elements
+
+    dtype = dtype or torch.float32
+    batch, positions, vocab = logits.shape[0], logits.shape[1] - 1, logits.shape[-1]
+    rows = logits[:, :-1].reshape(batch * positions, vocab)
+    flat_targets = targets.reshape(batch * positions, 1).to(logits.device)
+    chosen = torch.empty(batch * positions, dtype=dtype, device=logits.device)
+    step = max(1, chunk_elements(logits.device) // max(vocab, 1))
+    for start in range(0, batch * positions, step):
+        work = rows[start : start + step].to(dtype, copy=True)
+        if temperature != 1:
+            work /= temperature
+        chosen[start : start + step] = torch.log_softmax(work, dim=-1).gather(-1, flat_targets[start : start + step])[
+            :, 0
+        ]
+    return chosen.reshape(batch, positions)
 
 
 @dataclass(frozen=True)
@@ -110,25 +124,35 @@ def distribution_stats(
     *,
     temperature: float = 1.0,
 ) -> DistributionStats:
-    """KL(p_ref || p_var) mean and max, and the share of positions whose argmax agrees, in float64."""
+    """KL(p_ref || p_var) mean and max, and the share of positions whose argmax agrees, in float64.
+
+    Rows are processed a few at a time (see metrics.chunk_elements) with in-place float64 temporaries.
+    """
     import torch
 
+    from .metrics import chunk_elements
+
     ref = reference_logits[:, :-1][valid]
-    var = variant_logits[:, :-1][valid]
-    if ref.shape[0] == 0:
+    var = variant_logits[:, :-1][valid].to(ref.device)
+    rows, vocab = ref.shape[0], ref.shape[-1]
+    if rows == 0:
         return DistributionStats(None, None, None)
     kl_sum = torch.zeros((), dtype=torch.float64, device=ref.device)
     kl_max = torch.zeros((), dtype=torch.float64, device=ref.device)
     agree = torch.zeros((), dtype=torch.float64, device=ref.device)
-    for start in range(0, ref.shape[0], _ROWS_PER_CHUNK):
-        log_p = torch.log_softmax(ref[start : start + _ROWS_PER_CHUNK].to(torch.float64) / temperature, dim=-1)
-        log_q = torch.log_softmax(
-            var[start : start + _ROWS_PER_CHUNK].to(ref.device, torch.float64) / temperature, dim=-1
-        )
-        kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+    step = max(1, chunk_elements(ref.device) // max(vocab, 1))
+    for start in range(0, rows, step):
+        log_p = ref[start : start + step].to(torch.float64)
+        log_q = var[start : start + step].to(torch.float64)
+        if temperature != 1:
+            log_p /= temperature
+            log_q /= temperature
+        log_p = torch.log_softmax(log_p, dim=-1)
+        log_q = torch.log_softmax(log_q, dim=-1)
+        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
+        difference = log_q.neg_().add_(log_p)  # log p - log q, in log_q's storage
+        kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)
         kl_sum += kl.sum()
         kl_max = torch.maximum(kl_max, kl.max())
-        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
-    n = ref.shape[0]
     total, peak, agreeing = torch.stack([kl_sum, kl_max, agree]).tolist()
-    return DistributionStats(total / n, peak, agreeing / n)
+    return DistributionStats(total / rows, peak, agreeing / rows)

@@ -78,8 +78,16 @@ DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
 SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean"})
 
-# Elements per chunk of the fused pass: bounds the float64 temporaries to a few tens of MB.
-_CHUNK_ELEMENTS = 1 << 22
+# Elements per chunk of the fused float64 passes. On the CPU a chunk's temporaries (2 MiB each) stay in cache
+# and below malloc's mmap threshold, so no chunk pays page faults: 4.8 ms for 2M elements against 23 ms with
+# 4M-element chunks. On an accelerator larger chunks amortise kernel launches and the per-chunk sync (32 MiB).
+CPU_CHUNK_ELEMENTS = 1 << 18
+DEVICE_CHUNK_ELEMENTS = 1 << 22
+
+
+def chunk_elements(device: torch.device) -> int:
+    """Elements per chunk of a float64 pass on `device`."""
+    return CPU_CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)
@@ -258,9 +266,10 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
     totals = torch.zeros(12, dtype=torch.float64, device=x_all.device)
     totals[8::2] = math.inf
     totals[9::2] = -math.inf
-    for start in range(0, x_all.numel(), _CHUNK_ELEMENTS):
-        x = x_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
-        y = y_all[start : start + _CHUNK_ELEMENTS].to(torch.float64)
+    step = chunk_elements(x_all.device)
+    for start in range(0, x_all.numel(), step):
+        x = x_all[start : start + step].to(torch.float64)
+        y = y_all[start : start + step].to(torch.float64)
         d = y - x
         sum_x, sum_d = x.sum(), d.sum()
         # One scalar tells whether the chunk is all finite (any NaN/Inf makes a sum non-finite; sums of

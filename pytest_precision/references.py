@@ -100,8 +100,9 @@ class Reference:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the captured tensors."""
-        return sum(t.numel() * t.element_size() for t in self.stored.values())
+        """Bytes held by the captured tensors (a storage two of them share, once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.stored.values()}
+        return sum(storages.values())
 
     def tensors(self) -> Mapping[TensorKey, torch.Tensor]:
         """The captured tensors by (name, kind), each on the run's device when looked up."""
@@ -126,10 +127,16 @@ class Reference:
 
         tensors: dict[str, torch.Tensor] = {}
         order = []
+        storages: set[int] = set()
         for (name, kind), tensor in self.stored.items():
             key = f"{kind}/{name}"
             order.append([name, kind])
-            tensors[key] = tensor.detach().cpu().contiguous()
+            saved = tensor.detach().cpu().contiguous()
+            # Kept tensors may share storage (the head's output is the logits); safetensors refuses that.
+            if saved.untyped_storage().data_ptr() in storages:
+                saved = saved.clone()
+            storages.add(saved.untyped_storage().data_ptr())
+            tensors[key] = saved
         inputs = {
             "args": [_save_input(tensors, f"args/{i}", v) for i, v in enumerate(self.batch.args)],
             "kwargs": {k: _save_input(tensors, f"kwargs/{k}", v) for k, v in self.batch.kwargs.items()},

@@ -369,6 +369,33 @@ def test_in_place_op_after_captured_module() -> None:
     assert b_row.bias_abs == pytest.approx(float(net.b.weight.detach().sum(dim=1).mean()), abs=1e-12)
 
 
+def test_the_reference_reruns_with_copies_only_when_a_kept_tensor_was_written_in_place() -> None:
+    """Reference tensors are kept without a copy and checked by version counter: InPlaceNet's in-place
+    doubling is detected and the reference runs once more, cloning; a model without one runs once."""
+    x = torch.randint(-5, 6, (3, 4), generator=torch.Generator().manual_seed(1)).float()
+
+    def loss(output: torch.Tensor, _inputs: object) -> torch.Tensor:
+        return output.sum()
+
+    for net, reference_runs in ((InPlaceNet(), 2), (TwoLinear(), 1)):
+        calls: list[int] = []
+        net.register_forward_pre_hook(lambda _module, _args, calls=calls: calls.append(1))  # copied into each run
+        report = compare(net, x, ["fp32"], loss_fn=loss)
+        assert len(calls) == reference_runs + 1, type(net).__name__
+        assert all(r.rms_abs == 0 for r in report.records("fp32"))
+
+
+class TwoLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
 class TwiceNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()

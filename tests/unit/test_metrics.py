@@ -266,7 +266,7 @@ def test_chunked_pass_matches_unchunked_and_numpy(monkeypatch: pytest.MonkeyPatc
     y[[5, 2_500, 10_006]] = float("nan")
     y[3_000:4_000] = float("inf")  # one whole chunk non-finite
     whole = tensor_error(x, y)
-    monkeypatch.setattr(metrics_module, "_CHUNK_ELEMENTS", 1000)
+    monkeypatch.setattr(metrics_module, "CPU_CHUNK_ELEMENTS", 1000)
     chunked = tensor_error(x, y)
     assert chunked.count == whole.count == n - 1003
     assert chunked.nonfinite == whole.nonfinite == 1003
