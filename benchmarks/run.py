@@ -251,11 +251,12 @@ def bench_compare_backward(quick: bool, repeats: int, sections: list[str]) -> li
     functions = {
         "bare": bare,
         "compare": lambda: compare(model, inputs, variants),
-        "compare_fixed_scale": lambda: compare(model, inputs, variants, loss_scale=scale),
+        "compare_calibrate": lambda: compare(model, inputs, variants, loss_scale="calibrate"),
     }
-    times = interleave(functions, repeats, warmup=0)  # the loss-scale probe above warmed everything up
+    # Each round takes ~20 s and this machine's load moves a round by +-10%: more rounds than elsewhere.
+    times = interleave(functions, max(repeats, 4), warmup=0)  # the loss-scale probe above warmed everything up
     ratio = med(times["compare"]) / med(times["bare"])
-    ratio_fixed = med(times["compare_fixed_scale"]) / med(times["bare"])
+    ratio_calibrate = med(times["compare_calibrate"]) / med(times["bare"])
 
     table = breakdown(lambda: compare(model, inputs, variants), type(model), LIBRARY_PARTS)
     bare_table = breakdown(bare, type(model), {})
@@ -268,12 +269,12 @@ def bench_compare_backward(quick: bool, repeats: int, sections: list[str]) -> li
             {spec["intermediate"]}, {spec["heads"]} heads / {spec["kv_heads"]} kv heads, vocabulary {spec["vocab"]},
             {spec["batch"]} x {tokens} tokens, seed {SEED}. Bare = for fp32, bf16, fp16: `copy.deepcopy` +
             `cast_parameters` + forward with labels + `loss.backward()`, no hooks (3 runs). compare() runs the
-            fp32 reference, bf16, and fp16 twice (calibration pass + scaled pass) unless `loss_scale` is given.
+            fp32 reference, bf16 and fp16, the fp16 loss scale ({scale}) sized from the reference's gradients.
 
             - bare: {spread(times["bare"])}
-            - compare (default, fp16 loss scale calibrated): {spread(times["compare"])} -> **{ratio:.2f}x**
-            - compare with `loss_scale={scale}` (what the plugin passes once a baseline recorded it):
-              {spread(times["compare_fixed_scale"])} -> **{ratio_fixed:.2f}x**
+            - compare (default): {spread(times["compare"])} -> **{ratio:.2f}x**
+            - for scale, compare with `loss_scale="calibrate"` (an extra unscaled fp16 forward+backward, the
+              rule before this benchmark: 1.85x then): {spread(times["compare_calibrate"])} -> {ratio_calibrate:.2f}x
 
             Where one default compare() call spends its time (wall-clock timers wrapped around library functions,
             the model class's `forward` and `Tensor.backward` for one call; no library code changed):
@@ -287,18 +288,11 @@ def bench_compare_backward(quick: bool, repeats: int, sections: list[str]) -> li
         )
     )
     notes = [
-        f"with loss_scale fixed (no calibration pass): {ratio_fixed:.2f}x",
-        f"on process CPU time: default {cpu_ratio(times, 'compare', 'bare')}, "
-        f"loss_scale given {cpu_ratio(times, 'compare_fixed_scale', 'bare')}",
+        f"on process CPU time: {cpu_ratio(times, 'compare', 'bare')}",
+        f'with loss_scale="calibrate" (one more fp16 pass): {ratio_calibrate:.2f}x',
     ]
     return [
         Result("1 compare fwd+bwd vs bare (K=2)", f"{ratio:.2f}x", "<= 1.10x", _verdict(ratio <= 1.10), notes),
-        Result(
-            "1b same, loss_scale given",
-            f"{ratio_fixed:.2f}x",
-            "<= 1.10x",
-            _verdict(ratio_fixed <= 1.10),
-        ),
     ]
 
 
@@ -362,7 +356,7 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
 
     functions: dict[str, Callable[[], Any]] = {"ideal": ideal, "uncached": uncached}
     functions.update(cached_suites)
-    times = interleave(functions, repeats, warmup=0)  # the loss-scale probe above warmed up
+    times = interleave(functions, max(repeats, 3), warmup=0)  # the loss-scale probe above warmed up
     uncached_ratio = med(times["uncached"]) / med(times["ideal"])
     lines = [
         "### 2. A test module parametrized over 4 variants, with and without the reference cache",

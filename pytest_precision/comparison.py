@@ -372,9 +372,11 @@ class _VariantPass:
             stats = distribution_stats(expected, obtained, runner.valid, temperature=runner.temperature)
             self.distribution = dataclasses.asdict(stats)
             return
-        if kind in GRADIENT_KINDS and self.scale != 1:
-            obtained = obtained.to(torch.float64) / self.scale
-        error = tensor_error(runner.masked(name, kind, expected), runner.masked(name, kind, obtained))
+        error = tensor_error(
+            runner.masked(name, kind, expected),
+            runner.masked(name, kind, obtained),
+            variant_scale=self.scale if kind in GRADIENT_KINDS else 1.0,
+        )
         extra: dict[str, Any] = {}
         if kind == "logprob":
             assert runner.valid is not None

@@ -249,11 +249,12 @@ def _masked_chunk(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     )
 
 
-def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
+def tensor_error(reference: torch.Tensor, variant: torch.Tensor, *, variant_scale: float = 1.0) -> TensorError:
     """Compare `variant` to `reference` (same shape) in float64, in one fused, chunked pass on their device.
 
     Elements where either side is NaN/Inf are left out of every metric; those where only the variant is
-    non-finite are counted in `nonfinite`.
+    non-finite are counted in `nonfinite`. `variant_scale`: the variant's values are divided by it, in
+    float64, chunk by chunk (a loss-scaled gradient, unscaled without a full float64 copy).
     """
     import torch
 
@@ -270,6 +271,8 @@ def tensor_error(reference: torch.Tensor, variant: torch.Tensor) -> TensorError:
     for start in range(0, x_all.numel(), step):
         x = x_all[start : start + step].to(torch.float64)
         y = y_all[start : start + step].to(torch.float64)
+        if variant_scale != 1:
+            y = y / variant_scale
         d = y - x
         sum_x, sum_d = x.sum(), d.sum()
         # One scalar tells whether the chunk is all finite (any NaN/Inf makes a sum non-finite; sums of

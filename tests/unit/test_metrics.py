@@ -295,3 +295,17 @@ def test_tiny_reference_large_error() -> None:
     error = tensor_error(x, y)
     assert_matches(error, numpy_metrics(x, y))
     assert error.rms_rel == pytest.approx(1.0, rel=0.2)
+
+
+def test_a_scaled_variant_is_unscaled_chunk_by_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a loss-scaled fp16 gradient gets: divided by the scale in float64 before any metric.
+    x = gaussian((5_003,), seed=31)
+    y = (x + gaussian((5_003,), seed=32, scale=1e-3)).to(torch.float16)
+    y[17] = float("inf")
+    scale = 2.0**12
+    scaled = (y.double() * scale).to(torch.float32)  # exact: a power of two
+    monkeypatch.setattr(metrics_module, "CPU_CHUNK_ELEMENTS", 1000)
+    unscaled = tensor_error(x, scaled, variant_scale=scale)
+    assert unscaled == tensor_error(x, y)
+    assert unscaled.nonfinite == 1
+    assert_matches(unscaled, numpy_metrics(x, y.to(torch.float64)), residual_rtol=1e-6)
