@@ -512,7 +512,7 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
         "numeric_suite": numeric_suite,
         "compare_forward": lambda: compare(model, inputs, ["bf16"], backward=False),
     }
-    times = interleave(functions, repeats)
+    times = interleave(functions, max(repeats, 15))  # ~0.2 s each and noisy: many rounds
     ratio = med(times["compare_forward"]) / med(times["numeric_suite"])
     table = breakdown(lambda: compare(model, inputs, ["bf16"], backward=False), type(model), LIBRARY_PARTS)
     ns_table = breakdown(numeric_suite, type(model), {})
@@ -693,7 +693,18 @@ def bench_memory(quick: bool, repeats: int, sections: list[str]) -> list[Result]
 
 
 def bench_import(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as pycache:
+        return _bench_import(quick, repeats, sections, pycache)
+
+
+def _bench_import(quick: bool, repeats: int, sections: list[str], pycache: str) -> list[Result]:
+    # As after `pip install`, which byte-compiles the package: the checkout's modules would otherwise be
+    # compiled from source at every start where PYTHONDONTWRITEBYTECODE is set (it is on this machine), which
+    # costs tens of ms. The bytecode goes to a temp prefix (not into the checkout); the first, untimed run of
+    # each command writes it.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONPYCACHEPREFIX": pycache}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    subprocess.run([sys.executable, "-c", "import pytest, pytest_precision.plugin"], env=env, check=True)
     code = "import pytest; import pytest_precision.plugin; import sys; print('torch' in sys.modules)"
     plugin_us: list[float] = []
     torch_loaded = None
@@ -739,6 +750,9 @@ def bench_import(quick: bool, repeats: int, sections: list[str]) -> list[Result]
         section(
             f"""\
             ### 5. Plugin import time
+
+            Both with bytecode compiled, as a pip install leaves it (`PYTHONPYCACHEPREFIX` to a temp dir,
+            written by an untimed first run; see run.py).
 
             - `python -X importtime -c "import pytest; import pytest_precision.plugin"` in a fresh subprocess
               (pytest imported first, so the figure is the plugin's own cost): cumulative

@@ -35,8 +35,6 @@ TensorKey = tuple[str, str]
 METADATA_KEY = "pytest_precision.reference"
 FORMAT_VERSION = 1
 _INPUT_PREFIX = "__inputs__/"
-#: Elements per slice when checksumming a tensor in float64 (bounds the temporary copy: 128 MiB).
-_CHECKSUM_CHUNK = 1 << 24
 #: offload=None offloads on CUDA above this many bytes of parameters.
 OFFLOAD_THRESHOLD_BYTES = 1 << 30
 
@@ -240,24 +238,38 @@ def qualified_name(function: object) -> str:
     return f"{module}.{name}" if module else name
 
 
-def _position_weights(count: int, start: int, device: torch.device) -> torch.Tensor:
-    """Fixed pseudo-random weights in [0, 1) of positions start .. start + count (float64)."""
+#: Per device: the fixed pseudo-random weights of one checksum chunk, made once (sin in float64 is not cheap).
+_CHUNK_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+#: Chunk k's weighted sum counts (1 + k * this): a value moved to the same offset of another chunk still shows.
+_CHUNK_FACTOR = 0.6180339887498949
+
+
+def _chunk_weights(device: torch.device) -> torch.Tensor:
+    """Fixed pseudo-random weights in [0.5, 1.5) for the positions of one chunk (float64, on `device`)."""
     import torch
 
-    positions = torch.arange(start, start + count, dtype=torch.float64, device=device)
-    return torch.frac(torch.sin(positions * 12.9898 + 78.233).abs() * 43758.5453)
+    from .metrics import chunk_elements
+
+    weights = _CHUNK_WEIGHTS.get(device)
+    if weights is None:
+        positions = torch.arange(chunk_elements(device), dtype=torch.float64, device=device)
+        weights = torch.frac(torch.sin(positions * 12.9898 + 78.233).abs() * 43758.5453) + 0.5
+        _CHUNK_WEIGHTS[device] = weights
+    return weights
 
 
 def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """(sum, position-weighted sum) of a tensor in float64, on its device, in bounded slices."""
+    """(sum, position-weighted sum) of a tensor in float64, on its device, a cache-sized chunk at a time."""
     import torch
 
     flat = tensor.detach().reshape(-1)
+    weights = _chunk_weights(flat.device)
+    step = weights.numel()
     total = torch.zeros(2, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _CHECKSUM_CHUNK):
-        piece = flat[start : start + _CHECKSUM_CHUNK].to(torch.float64)
-        weights = _position_weights(piece.numel(), start, flat.device)
-        total += torch.stack([piece.sum(), (piece * weights).sum()])
+    for index, start in enumerate(range(0, flat.numel(), step)):
+        piece = flat[start : start + step].to(torch.float64)
+        weighted = torch.dot(piece, weights[: piece.numel()]) * (1.0 + index * _CHUNK_FACTOR)
+        total += torch.stack([piece.sum(), weighted])
     return total
 
 

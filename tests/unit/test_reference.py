@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -216,3 +217,33 @@ def test_clear_errors(llama: nn.Module) -> None:
         ReferenceCache(max_entries=0)
     with pytest.raises(ConfigurationError, match="model: expected"):
         reference(42, batch())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("chunk", [None, 64])  # one chunk per tensor; several
+def test_the_parameter_checksum_sees_any_edit_or_moved_value(monkeypatch, chunk):
+    from pytest_precision import metrics, references
+
+    if chunk is not None:
+        monkeypatch.setattr(metrics, "CPU_CHUNK_ELEMENTS", chunk)
+        monkeypatch.setattr(references, "_CHUNK_WEIGHTS", {})
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)  # 256 weights: 4 chunks of 64
+    original = references.state_checksum(model)
+    assert references.state_checksum(copy.deepcopy(model)) == original
+
+    def edited(edit) -> tuple:
+        changed = copy.deepcopy(model)
+        with torch.no_grad():
+            edit(changed.weight.view(-1))
+        return references.state_checksum(changed)
+
+    def swap(i: int, j: int):
+        def apply(flat: torch.Tensor) -> None:
+            flat[i], flat[j] = flat[j].clone(), flat[i].clone()
+
+        return apply
+
+    assert edited(lambda flat: flat[100].add_(1e-6)) != original  # a tiny in-place edit
+    assert edited(swap(3, 40)) != original  # two values trading places within a chunk
+    assert edited(swap(5, 5 + 64)) != original  # the same offset of two chunks
+    assert edited(lambda flat: flat.copy_(flat.flip(0))) != original  # reversed
