@@ -121,6 +121,12 @@ def interleave(functions: dict[str, Callable[[], Any]], repeats: int, warmup: in
     return times
 
 
+def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """The median over rounds of numerator / denominator within the same round: the two ran back to back, so
+    a slow spell of this shared machine moves both, where a ratio of separate medians takes its full swing."""
+    return med([a / b for a, b in zip(times[numerator], times[denominator], strict=True)])
+
+
 def cpu_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> str:
     """The same ratio on this process's CPU time (all its threads), less sensitive to other processes' load."""
     return f"{med(times[f'{numerator} (cpu)']) / med(times[f'{denominator} (cpu)']):.2f}x"
@@ -255,8 +261,8 @@ def bench_compare_backward(quick: bool, repeats: int, sections: list[str]) -> li
     }
     # Each round takes ~20 s and this machine's load moves a round by +-10%: more rounds than elsewhere.
     times = interleave(functions, max(repeats, 4), warmup=0)  # the loss-scale probe above warmed everything up
-    ratio = med(times["compare"]) / med(times["bare"])
-    ratio_calibrate = med(times["compare_calibrate"]) / med(times["bare"])
+    ratio = paired_ratio(times, "compare", "bare")
+    ratio_calibrate = paired_ratio(times, "compare_calibrate", "bare")
 
     table = breakdown(lambda: compare(model, inputs, variants), type(model), LIBRARY_PARTS)
     bare_table = breakdown(bare, type(model), {})
@@ -356,8 +362,8 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
 
     functions: dict[str, Callable[[], Any]] = {"ideal": ideal, "uncached": uncached}
     functions.update(cached_suites)
-    times = interleave(functions, max(repeats, 3), warmup=0)  # the loss-scale probe above warmed up
-    uncached_ratio = med(times["uncached"]) / med(times["ideal"])
+    times = interleave(functions, max(repeats, 4), warmup=0)  # the loss-scale probe above warmed up
+    uncached_ratio = paired_ratio(times, "uncached", "ideal")
     lines = [
         "### 2. A test module parametrized over 4 variants, with and without the reference cache",
         "",
@@ -379,7 +385,7 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
         lines += [f"- suite with cache: **not available**: {reason}.", ""]
         results.append(Result("2 cached 4-variant suite vs ideal", "not available", "<= 1.10x", "n/a", [reason]))
     else:
-        cached_ratio = med(times["cached"]) / med(times["ideal"])
+        cached_ratio = paired_ratio(times, "cached", "ideal")
         lines += [
             "- suite with cache (one `ReferenceCache` per suite, as the `precision` fixture keeps one per session;",
             f"  each test `compare(model, inputs, [variant], cache=cache)`): {spread(times['cached'])} ->",
@@ -391,7 +397,7 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
             )
         )
     if "explicit" in cached_suites:
-        explicit_ratio = med(times["explicit"]) / med(times["ideal"])
+        explicit_ratio = paired_ratio(times, "explicit", "ideal")
         lines.append(
             "- suite with an explicit `ref = pytest_precision.reference(model, inputs)` and "
             f"`compare(ref, variants=[variant])`: {spread(times['explicit'])} -> **{explicit_ratio:.2f}x** of ideal"
@@ -497,8 +503,8 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
             prepare_model_outputs(float_model, low_model, allow_list=same_types)
             for module in (float_model, low_model):
                 _observe_non_leaf(module, same_types)
-            float_model(ids)
-            low_model(ids)
+            float_model(**inputs)  # the same call compare() makes (ids and labels: both compute the loss)
+            low_model(**inputs)
             pairs = get_matching_activations(float_model, low_model)
             return {
                 name: compute_sqnr(pair["float"][0], pair["quantized"][0].float())
@@ -513,7 +519,7 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
         "compare_forward": lambda: compare(model, inputs, ["bf16"], backward=False),
     }
     times = interleave(functions, max(repeats, 15))  # ~0.2 s each and noisy: many rounds
-    ratio = med(times["compare_forward"]) / med(times["numeric_suite"])
+    ratio = paired_ratio(times, "compare_forward", "numeric_suite")
     table = breakdown(lambda: compare(model, inputs, ["bf16"], backward=False), type(model), LIBRARY_PARTS)
     ns_table = breakdown(numeric_suite, type(model), {})
     sections.append(
@@ -535,7 +541,8 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
             `compare_model_outputs` run by hand, `prepare_model_outputs(float, bf16, allow_list={{Embedding,
             LlamaDecoderLayer, LlamaRMSNorm, Linear}})`, the decoder layers given observers the way
             `observer_non_leaf_module_list` does (`insert_activation_post_process`), both models run under
-            `torch.no_grad()`, `get_matching_activations`, then `compute_sqnr` on each of the {len(chosen)}
+            `torch.no_grad()` on the same inputs as compare() (ids and labels), `get_matching_activations`, then
+            `compute_sqnr` on each of the {len(chosen)}
             logged pairs (the allow list also catches the per-layer norms and linears: the suite cannot
             restrict by name). Both sides build their models the same way (deepcopy + cast).
             compare() side: `compare(model, inputs, ["bf16"], backward=False)` (fp32 reference + bf16).
@@ -551,8 +558,8 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
 
             {ns_table}
 
-            compare() also computes the loss (the inputs carry labels), the chosen-token log-probs and the
-            full-vocabulary KL / top-1 agreement, and ~20 metrics per tensor where SQNR is one number.
+            compare() also computes the chosen-token log-probs and the full-vocabulary KL / top-1 agreement,
+            and ~20 metrics per tensor where SQNR is one number.
             """
         )
     )
@@ -640,7 +647,7 @@ def bench_memory(quick: bool, repeats: int, sections: list[str]) -> list[Result]
     modes = ["compare", "ideal", "bare_reference", "bare_variant"]
     peaks: dict[str, list[float]] = {mode: [] for mode in modes}
     captured = 0
-    for _ in range(max(1, repeats // 2)):
+    for _ in range(1 if quick else 3):  # the allocator's peak moves by tens of MiB from run to run
         for mode in modes:
             command = [sys.executable, str(Path(__file__).resolve()), "--_memory-child", mode]
             if quick:
@@ -907,6 +914,8 @@ def main() -> None:
     RESULTS.write_text(
         f"# Benchmark results\n\nCommand: `{command}` (from the repository root, venv python; "
         f"took {elapsed:.0f} s{', QUICK sizes: not the issue figures' if quick else ''}).\n\n"
+        "Time ratios are medians over interleaved rounds of the ratio within a round (A and B ran back to back), "
+        "so they need not equal the ratio of the two medians listed with them.\n\n"
         f"## Machine\n\n{machine_lines}\n\n## Figures against targets\n\n{table}\n\n"
         + (f"Notes:\n\n{notes}\n\n" if notes else "")
         + "## Details\n\n"

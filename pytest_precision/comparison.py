@@ -182,6 +182,8 @@ class _Runner:
         self.modules = modules
         self.module_names: list[str] | None = None
         self.mask = batch.mask(device)
+        if self.mask is not None and bool(self.mask.all()):
+            self.mask = None  # every position counts: tensors are measured whole, without a masked copy
         self.temperature = temperature
         self.clip_eps = clip_eps
         self.logprob_dtype = logprob_dtype

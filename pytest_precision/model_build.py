@@ -103,14 +103,21 @@ def copy_cast(model: nn.Module, dtype: str, device: torch.device) -> nn.Module:
 
     wanted = parameter_dtypes(model, dtype)
     memo: dict[int, Any] = {}
+    subclassed = False
     for name, parameter in model.named_parameters():
         if type(parameter) is not nn.Parameter:
-            continue  # a Parameter subclass: left to its own __deepcopy__, cast afterwards
+            subclassed = True  # a Parameter subclass: left to its own __deepcopy__, cast afterwards
+            continue
         data = parameter.detach().to(device=device, dtype=wanted.get(name, parameter.dtype), copy=True)
         copied = nn.Parameter(data, requires_grad=parameter.requires_grad)
         memo[id(parameter)] = copied
         copied.__dict__.update(copy.deepcopy(parameter.__dict__, memo))
-    return copy.deepcopy(model, memo).to(device)
+    result = copy.deepcopy(model, memo).to(device)
+    if subclassed:
+        cast_parameters(result, dtype)
+        for parameter in result.parameters():
+            parameter.grad = None
+    return result
 
 
 def head_module_name(model: nn.Module) -> str:
@@ -216,7 +223,7 @@ def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: 
     from torch import nn
 
     if isinstance(source, nn.Module):
-        model = copy_cast(source, variant.weight_dtype, device)
+        model = copy_cast(source, variant.weight_dtype, device)  # parameters cast, without .grad
     else:
         model = source(torch_dtype(variant.weight_dtype), device)
         if not isinstance(model, nn.Module):
@@ -225,14 +232,14 @@ def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: 
                 "called as factory(dtype, device)"
             )
         model = model.to(device)
+        cast_parameters(model, variant.weight_dtype)
+        for parameter in model.parameters():
+            parameter.grad = None
     if not any(p.is_floating_point() for p in model.parameters()):
         raise ConfigurationError(
             f"{type(model).__name__} has no floating-point parameters to measure: pass the model that holds "
             "the weights (or a factory building it), not a wrapper or a parameter-free module"
         )
-    cast_parameters(model, variant.weight_dtype)
-    for parameter in model.parameters():
-        parameter.grad = None
     # transformers checkpoints only in training mode, but switch it off so no run recomputes activations.
     if getattr(model, "supports_gradient_checkpointing", False):
         # transformers 5 renamed gradient_checkpointing_disable (which now warns) to activation_...
