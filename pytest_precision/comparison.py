@@ -637,18 +637,22 @@ def build_reference(
 class _ReferenceKeeper:
     """The reference run's sink: keeps each tensor (see _run_reference) and the largest |gradient|."""
 
-    def __init__(self, stored: dict[TensorKey, torch.Tensor], *, offload: bool, clone_all: bool) -> None:
+    def __init__(self, stored: dict[TensorKey, torch.Tensor], inputs: Batch, *, offload: bool, clone_all: bool) -> None:
         self.stored = stored
         self.offload = offload
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
         self.largest_gradient = LargestGradient()
+        # The caller's input tensors: a module returning its input as is (dropout in eval) must not make the
+        # reference hold the caller's storage, which the caller may write later.
+        self.input_storages = {t.untyped_storage().data_ptr() for t in inputs.tensors()}
         stored.clear()
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         kept = tensor.detach()
         self.largest_gradient(name, kind, kept)  # on the device, before any offload
-        version = None if self.clone_all or self.offload else _version_of(kept)
+        shares_input = kept.untyped_storage().data_ptr() in self.input_storages
+        version = None if self.clone_all or self.offload or shares_input else _version_of(kept)
         if version is None:
             kept = kept.to("cpu", copy=True) if self.offload else kept.clone()
         else:
@@ -668,12 +672,13 @@ def _run_reference(
     A later in-place op in the model must not change what was captured. Rather than cloning every tensor, each
     is kept as produced with its version counter; should any have been written in place by the end of the run
     (rare: in-place residual adds, gradient buffers reused by autograd), the run is repeated cloning every
-    tensor. Views and tensors without a version counter (inference mode) are cloned at once.
+    tensor. Views, tensors without a version counter (inference mode) and the caller's own input tensors are
+    cloned at once.
     """
-    keeper = _ReferenceKeeper(stored, offload=offload, clone_all=False)
+    keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
     if not keeper.untouched():
-        keeper = _ReferenceKeeper(stored, offload=offload, clone_all=True)
+        keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
     return info, keeper.largest_gradient.value()
 

@@ -85,8 +85,8 @@ class Reference:
     loss_fn_name: str | None = None
     #: Where it was loaded from (None when computed here).
     path: str | None = None
-    #: Largest finite |gradient| over the bw and grad tensors, which sizes fp16 loss scales (computed on
-    #: first need; None until then).
+    #: Largest finite |gradient| over the bw and grad tensors, which sizes fp16 loss scales: measured while
+    #: the reference runs; for a loaded Reference, computed from its tensors on first need (None until then).
     max_gradient: float | None = None
     #: repeats -> per-tensor noise of the reference's repeats (see compare), computed on first need.
     noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+import pytest_precision
 from conftest import load_tiny_llama, random_tokens, tiny_gpt2, tiny_llama, tiny_qwen2
 from pytest_precision.backend_flags import snapshot_backend_state
 from pytest_precision.comparison import compare
@@ -908,3 +909,17 @@ def test_prepare_that_raises_names_the_variant():
 
     with pytest.raises(ModelRunError, match=r"variant 'patched': prepare raised RuntimeError: cannot patch this model"):
         compare(tiny_llama(), {"input_ids": random_tokens()}, [Variant("patched", prepare=broken)], backward=False)
+
+
+def test_the_reference_never_holds_the_callers_input_storage() -> None:
+    """Dropout in eval returns its input as is: the reference keeps a copy, not the caller's tensor, so a
+    later in-place write by the caller cannot change a kept Reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Dropout(0.1), nn.Linear(4, 3))
+    x = torch.randn(5, 4)
+    ref = pytest_precision.reference(model, x, modules=["0", "1"], loss_fn=lambda output, _inputs: output.sum())
+    kept = ref.stored[("0", "fw")]
+    assert torch.equal(kept, x)
+    assert kept.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    x.add_(1.0)
+    assert not torch.equal(kept, x)
