@@ -825,13 +825,22 @@ def bench_xdist(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
         if check.returncode != 0:
             raise RuntimeError(f"the 8-test suite failed:\n{check.stdout[-3000:]}\n{check.stderr[-2000:]}")
 
-        def runner(command: list[str]) -> Callable[[], None]:
-            return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=env)
+        def runner(command: list[str], extra_env: dict[str, str] | None = None) -> Callable[[], None]:
+            run_env = {**env, **(extra_env or {})}
+            return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=run_env)
 
-        times = interleave(
-            {"serial": runner(base), "-n 2": runner([*base, "-n", "2"])}, 1, warmup=0
-        )  # the check run above warmed the file caches
-    speedup = med(times["serial"]) / med(times["-n 2"])
+        functions = {
+            "serial": runner(base),
+            "-n 2": runner([*base, "-n", "2"]),
+            # One intra-op thread per worker: two workers on two cores without oversubscription.
+            "-n 2, 1 thread each": runner([*base, "-n", "2"], {"OMP_NUM_THREADS": "1"}),
+        }
+        times = interleave(functions, 1 if quick else 2, warmup=0)  # the check run above warmed the file caches
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch, transformers"], check=True, env=env)
+        import_seconds = time.perf_counter() - start
+    speedup = paired_ratio(times, "serial", "-n 2")
+    speedup_one_thread = paired_ratio(times, "serial", "-n 2, 1 thread each")
     sections.append(
         section(
             f"""\
@@ -842,18 +851,30 @@ def bench_xdist(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
             fp16 loss scale given. Whole `pytest` subprocesses timed, interleaved.
 
             - serial: {spread(times["serial"])}
-            - `-n 2`: {spread(times["-n 2"])}
-            - speed-up: **{speedup:.2f}x**
+            - `-n 2`: {spread(times["-n 2"])} -> speed-up **{speedup:.2f}x**
+            - `-n 2` with `OMP_NUM_THREADS=1` (one intra-op thread per worker): {spread(times["-n 2, 1 thread each"])}
+              -> speed-up {speedup_one_thread:.2f}x
+            - `python -c "import torch, transformers"` in a fresh process: {import_seconds:.2f} s
 
             Why not 2x: the machine has {os.cpu_count()} cores and torch's intra-op pool already uses both in
-            the serial run ({_threads()} threads), so two workers mostly split the same two cores (and each
-            worker runs with its own 2-thread pool: oversubscription); each xdist worker also starts a Python
-            interpreter and imports torch and transformers (about a second or more each), paid on top of the
-            controller's start-up; and 8 tests give each worker only 4 tests to amortise that over.
+            the serial run ({_threads()} threads), so two workers split the same two cores, and with their own
+            {_threads()}-thread pools each they oversubscribe them (one thread per worker is the row above); each
+            xdist worker also starts a Python interpreter and imports torch and transformers (the last row), paid
+            on top of the controller's start-up; and 8 tests give each worker only 4 tests to amortise that over.
+            On a machine with more cores than one test's threads use, or with one GPU per worker
+            (`--precision-gpu`), the workers do not compete.
             """
         )
     )
-    return [Result("6 8-test suite -n 2 vs serial", f"{speedup:.2f}x speed-up", "report (>1x not expected)", "n/a")]
+    return [
+        Result(
+            "6 8-test suite -n 2 vs serial",
+            f"{speedup:.2f}x speed-up",
+            "report (>1x not expected)",
+            "n/a",
+            [f"with one intra-op thread per worker: {speedup_one_thread:.2f}x"],
+        )
+    ]
 
 
 def _threads() -> int:
