@@ -53,26 +53,6 @@ class Batch:
             mask = keep if mask is None else mask & keep
         return mask
 
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor among the arguments, nested ones included."""
-        import torch
-
-        found: list[torch.Tensor] = []
-
-        def walk(value: Any) -> None:
-            if isinstance(value, torch.Tensor):
-                found.append(value)
-            elif isinstance(value, (tuple, list)):
-                for item in value:
-                    walk(item)
-            elif isinstance(value, dict):
-                for item in value.values():
-                    walk(item)
-
-        walk(self.args)
-        walk(self.kwargs)
-        return found
-
     def shapes(self) -> dict[str, list[int]]:
         """Shapes of the tensor arguments, by keyword or `argN`."""
         import torch

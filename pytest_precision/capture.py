@@ -191,7 +191,7 @@ def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backwa
             handle.remove()
 
 
-def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
+def floating_tensors(value: Any) -> Iterator[torch.Tensor]:
     """Every floating tensor in a nest of tensors, tuples/lists, dicts and model outputs."""
     import torch
 
@@ -200,16 +200,16 @@ def _floating_tensors(value: Any) -> Iterator[torch.Tensor]:
             yield value
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _floating_tensors(item)
+            yield from floating_tensors(item)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _floating_tensors(item)
+            yield from floating_tensors(item)
 
 
 def _all_finite(value: Any) -> bool:
     import torch
 
-    return all(bool(torch.isfinite(t).all()) for t in _floating_tensors(value))
+    return all(bool(torch.isfinite(t).all()) for t in floating_tensors(value))
 
 
 class NonfiniteTrace:

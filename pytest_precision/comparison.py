@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, apply_mask, to_batch
-from .capture import NonfiniteTrace, capture, select_modules, trace_nonfinite
+from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
@@ -643,9 +643,10 @@ class _ReferenceKeeper:
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
         self.largest_gradient = LargestGradient()
-        # The caller's input tensors: a module returning its input as is (dropout in eval) must not make the
-        # reference hold the caller's storage, which the caller may write later.
-        self.input_storages = {t.untyped_storage().data_ptr() for t in inputs.tensors()}
+        # The caller's floating input tensors (what a captured tensor can alias): a module returning its input
+        # as is (dropout in eval) must not make the reference hold the caller's storage, which the caller may
+        # write later.
+        self.input_storages = {t.untyped_storage().data_ptr() for t in floating_tensors((inputs.args, inputs.kwargs))}
         stored.clear()
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
