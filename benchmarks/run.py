@@ -108,18 +108,25 @@ def bare_run(model: Any, inputs: dict[str, Any], dtype: str, *, backward: bool =
 
 def interleave(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
     """Time each function `repeats` times, interleaved, after `warmup` untimed rounds; the order alternates
-    (A B C, C B A, ...) so that no function always runs right after the same other one."""
+    (A B C, C B A, ...) so that no function always runs right after the same other one.
+
+    Keys: each name (wall-clock seconds), "name (cpu)" (this process's CPU time) and "name (child cpu)" (the
+    user + system time of subprocesses it waited for)."""
     times: dict[str, list[float]] = {name: [] for name in functions}
     for round_index in range(warmup + repeats):
         order = list(functions.items())
         for name, function in order if round_index % 2 == 0 else reversed(order):
             gc.collect()
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
             start, cpu_start = time.perf_counter(), time.process_time()
             function()
             elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
             if round_index >= warmup:
                 times[name].append(elapsed)
                 times.setdefault(f"{name} (cpu)", []).append(cpu)
+                child = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+                times.setdefault(f"{name} (child cpu)", []).append(child)
     return times
 
 
@@ -127,6 +134,11 @@ def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str
     """The median over rounds of numerator / denominator within the same round: the two ran back to back, so
     a slow spell of this shared machine moves both, where a ratio of separate medians takes its full swing."""
     return med([a / b for a, b in zip(times[numerator], times[denominator], strict=True)])
+
+
+def paired_difference(times: dict[str, list[float]], first: str, second: str) -> float:
+    """The median over rounds of first - second within the same round (see paired_ratio)."""
+    return med([a - b for a, b in zip(times[first], times[second], strict=True)])
 
 
 def cpu_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> str:
@@ -743,24 +755,14 @@ def _bench_import(quick: bool, repeats: int, sections: list[str], pycache: str) 
         }
         note = " (`-p no:precision -p pytest_precision.plugin`: see run.py)"
 
-        times: dict[str, list[float]] = {name: [] for name in commands}
-        cpu: dict[str, list[float]] = {name: [] for name in commands}
-        # A pytest start varies by +-100 ms here: many interleaved rounds, the order alternating (A B, B A, ...)
-        # so neither command always runs right after the other, and the median of the paired differences.
-        rounds = 3 if quick else 41
-        for round_index in range(rounds + 1):
-            order = list(commands.items())
-            for name, command in order if round_index % 2 else reversed(order):
-                before = resource.getrusage(resource.RUSAGE_CHILDREN)
-                start = time.perf_counter()
-                subprocess.run(command, cwd=directory, capture_output=True, check=True, env=env)
-                elapsed = time.perf_counter() - start
-                after = resource.getrusage(resource.RUSAGE_CHILDREN)
-                if round_index:  # the first round warms the file cache
-                    times[name].append(elapsed)
-                    cpu[name].append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
-    delta_ms = med([a - b for a, b in zip(times["with plugin"], times["without plugin"], strict=True)]) * 1000
-    cpu_delta_ms = med([a - b for a, b in zip(cpu["with plugin"], cpu["without plugin"], strict=True)]) * 1000
+        def runner(command: list[str]) -> Callable[[], None]:
+            return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=env)
+
+        # A pytest start varies by +-100 ms here: many interleaved rounds in alternating order, and the median
+        # of the paired differences; the first round warms the file cache.
+        times = interleave({name: runner(command) for name, command in commands.items()}, 3 if quick else 41)
+    delta_ms = paired_difference(times, "with plugin", "without plugin") * 1000
+    cpu_delta_ms = paired_difference(times, "with plugin (child cpu)", "without plugin (child cpu)") * 1000
     min_delta_ms = (min(times["with plugin"]) - min(times["without plugin"])) * 1000
     sections.append(
         section(
