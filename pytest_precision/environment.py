@@ -36,7 +36,8 @@ def device_key(device: str) -> str:
 
 
 def environment(device: str, backend: dict[str, Any]) -> dict[str, Any]:
-    """The environment block of a baseline file."""
+    """The environment block of a baseline file. `cpu_capability` is the vector ISA ATen dispatches CPU kernels
+    to ("AVX2", "AVX512", ...): CPU bf16 matmuls and reductions block and accumulate differently per ISA."""
     import torch
 
     return {
@@ -47,5 +48,6 @@ def environment(device: str, backend: dict[str, Any]) -> dict[str, Any]:
         "device": device_name(device),
         "platform": f"{platform.system()}-{platform.machine()} ({sys.platform})",
         "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "backend": backend,
     }

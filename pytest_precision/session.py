@@ -27,7 +27,7 @@ OPTION_STRICT = "precision_strict"
 OPTION_PRUNE = "precision_prune"
 OPTION_REPORT = "precision_report"
 #: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
-DRIFT_FIELDS = ("torch", "device", "threads")
+DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability")
 
 STEMS_KEY = pytest.StashKey[set[str]]()
 TABLES_KEY = pytest.StashKey[list[str]]()
