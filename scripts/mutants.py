@@ -1,0 +1,383 @@
+"""The mutants of scripts/mutation_check.py: realistic one-line bugs in the core modules.
+
+Each replaces one exact snippet (it must occur exactly once in its module). `tests` overrides the module's
+default test files (MODULE_TESTS), fastest first: `pytest -x` stops at the first failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+MODULE_TESTS: dict[str, tuple[str, ...]] = {
+    "metrics.py": ("tests/unit/test_metrics.py", "tests/unit/test_gate_rules.py", "tests/unit/test_compare.py"),
+    "tolerance.py": (
+        "tests/unit/test_tolerance.py",
+        "tests/unit/test_gate_rules.py",
+        "tests/plugin/test_plugin_gate.py",
+        "tests/plugin/test_plugin_gate_trust.py",
+    ),
+    "baseline.py": (
+        "tests/unit/test_baseline_validation.py",
+        "tests/unit/test_baseline_files.py",
+        "tests/unit/test_gate_rules.py",
+        "tests/plugin/test_plugin_baselines.py",
+        "tests/plugin/test_plugin_files.py",
+        "tests/plugin/test_plugin_loss_scale.py",
+    ),
+    "comparison.py": (
+        "tests/unit/test_compare.py",
+        "tests/unit/test_run_isolation.py",
+        "tests/unit/test_repeats_and_nonfinite.py",
+        "tests/unit/test_language_models.py",
+        "tests/unit/test_reference.py",
+        "tests/unit/test_models_that_work.py",
+    ),
+    "capture.py": (
+        "tests/unit/test_compare.py",
+        "tests/unit/test_repeats_and_nonfinite.py",
+        "tests/unit/test_models_that_work.py",
+        "tests/unit/test_language_models.py",
+    ),
+    "batch.py": (
+        "tests/unit/test_run_isolation.py",
+        "tests/unit/test_compare.py",
+        "tests/unit/test_language_models.py",
+        "tests/unit/test_models_that_work.py",
+    ),
+    "model_build.py": (
+        "tests/unit/test_model_build.py",
+        "tests/unit/test_variants.py",
+        "tests/unit/test_models_that_work.py",
+        "tests/unit/test_run_isolation.py",
+        "tests/unit/test_compare.py",
+    ),
+    "variants.py": ("tests/unit/test_variants.py", "tests/unit/test_compare.py"),
+    "logprobs.py": (
+        "tests/unit/test_vocabulary_chunks.py",
+        "tests/unit/test_language_models.py",
+        "tests/unit/test_models_that_work.py",
+    ),
+    "references.py": (
+        "tests/unit/test_reference_cache_key.py",
+        "tests/unit/test_reference_files.py",
+        "tests/unit/test_reference.py",
+        "tests/unit/test_run_isolation.py",
+    ),
+    "session.py": (
+        "tests/plugin/test_plugin_gate_trust.py",
+        "tests/plugin/test_plugin_files.py",
+        "tests/plugin/test_plugin_gate.py",
+        "tests/plugin/test_plugin_baselines.py",
+        "tests/plugin/test_plugin_options.py",
+        "tests/plugin/test_plugin_bad_input.py",
+    ),
+    "plugin.py": (
+        "tests/plugin/test_plugin_files.py",
+        "tests/plugin/test_plugin_options.py",
+        "tests/plugin/test_plugin_baselines.py",
+        "tests/plugin/test_plugin_gate_trust.py",
+    ),
+    "cross_engine.py": ("tests/unit/test_cross_engine.py", "tests/unit/test_cli_untrusted.py"),
+    "cli.py": ("tests/unit/test_cli.py", "tests/unit/test_cli_untrusted.py"),
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    module: str
+    find: str
+    replace: str
+    why: str
+    tests: tuple[str, ...] = ()
+
+
+def tests_for(mutant: Mutant) -> list[str]:
+    """The mutant's test files that exist, in order."""
+    chosen = mutant.tests or MODULE_TESTS[Path(mutant.module).name]
+    return [t for t in chosen if (ROOT / t).exists()]
+
+
+def _m(module: str, find: str, replace: str, why: str, *tests: str) -> Mutant:
+    return Mutant(f"pytest_precision/{module}", find, replace, why, tuple(tests))
+
+
+MUTANTS: list[Mutant] = [
+    # metrics.py
+    _m("metrics.py", "rms_abs = math.sqrt(sdd / n)", "rms_abs = math.sqrt(sdd / max(n - 1, 1))", "rms with n - 1"),
+    _m("metrics.py", "bias_abs = sd / n", "bias_abs = abs(sd) / n", "bias loses its sign"),
+    _m(
+        "metrics.py",
+        "var_x = 0.0 if x_constant else",
+        "var_x = 0.0 if False else",
+        "x_constant flag ignored (constant reference's float64 variance residue)",
+    ),
+    _m("metrics.py", "cov_xy = var_x + cov_xd", "cov_xy = var_x - cov_xd", "covariance sign"),
+    _m("metrics.py", "1.0 + cov_xd / var_x", "1.0 - cov_xd / var_x", "slope sign"),
+    _m("metrics.py", "max(var_d - cov_xd * cov_xd / var_x, 0.0)", "max(var_d, 0.0)", "residual without the fit"),
+    _m("metrics.py", "10.0 * math.log10(sxx / sdd)", "20.0 * math.log10(sxx / sdd)", "SQNR as an amplitude ratio"),
+    _m("metrics.py", "max_rel=_ratio(max_abs, ref_rms)", "max_rel=_ratio(max_abs, rms_abs)", "max_rel denominator"),
+    _m("metrics.py", "torch.maximum(-d_min, d_max),", "d_max,", "max |d| misses negative errors"),
+    _m(
+        "metrics.py",
+        "(x_finite & ~y_finite).sum(dtype=torch.float64),",
+        "(~y_finite).sum(dtype=torch.float64),",
+        "nonfinite counts positions where the reference is non-finite too",
+    ),
+    _m(
+        "metrics.py",
+        "if d.numel() and bool(torch.isfinite(sum_x + sum_d)):",
+        "if d.numel():",
+        "non-finite chunks take the unmasked fast path",
+    ),
+    _m("metrics.py", "y = y / variant_scale", "y = y * variant_scale", "loss scale applied instead of removed"),
+    _m("metrics.py", "y_constant=y_min == y_max", "y_constant=False", "y_constant flag ignored"),
+    _m("metrics.py", "(sxx + sxd) / math.sqrt(sxx * syy)", "(sxx - sxd) / math.sqrt(sxx * syy)", "cosine sign"),
+    # tolerance.py
+    _m(
+        "tolerance.py",
+        "expected * (1 - tolerance.rtol) - tolerance.atol",
+        "expected * (1 - tolerance.rtol) + tolerance.atol",
+        "atol added for higher-is-better metrics",
+    ),
+    _m(
+        "tolerance.py",
+        "return max(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + noise)",
+        "return min(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + noise)",
+        "noise floor lowers the allowance",
+    ),
+    _m(
+        "tolerance.py",
+        "return _magnitude(metric, obtained) > allowed",
+        "return _magnitude(metric, obtained) >= allowed",
+        "> to >= in the worse-check",
+    ),
+    _m(
+        "tolerance.py",
+        "return max((v for v in values if v is not None), default=0.0)",
+        "return min((v for v in values if v is not None), default=0.0)",
+        "smaller spread of baseline and run",
+    ),
+    _m("tolerance.py", "return abs(1.0 - value)", "return 1.0 - value", "slope distance without abs"),
+    _m(
+        "tolerance.py",
+        "if record.nonfinite > before.nonfinite:",
+        "if record.nonfinite > before.nonfinite + 1:",
+        "one more non-finite value tolerated",
+    ),
+    _m(
+        "tolerance.py",
+        "failed = _magnitude(metric, value) > bound",
+        "failed = value > bound",
+        "limits on the raw value, not its magnitude",
+    ),
+    _m("tolerance.py", "failed = value < bound", "failed = value <= bound", "higher-is-better limit inclusive"),
+    _m(
+        "tolerance.py",
+        "return obtained > max(expected * (1 + tolerance.rtol) + tolerance.atol, expected + noise)",
+        "return obtained > min(expected * (1 + tolerance.rtol) + tolerance.atol, expected + noise)",
+        "improvement threshold too low (higher-is-better)",
+    ),
+    # baseline.py
+    _m("baseline.py", 'return "inf" if value > 0 else "-inf"', 'return "inf"', "-inf written as inf"),
+    _m("baseline.py", '    if value == "-inf":\n        return -math.inf', '    if value == "-inf":\n        return math.inf', "-inf read as inf"),
+    _m("baseline.py", "if version != SCHEMA_VERSION:", "if version is None:", "another schema version accepted"),
+    _m(
+        "baseline.py",
+        'return directory / relative / f"{stem}.{device_key}.json"',
+        'return directory / relative / f"{stem}.json"',
+        "device key left out of the file name",
+    ),
+    _m(
+        "baseline.py",
+        'name = nodeid.split("::", 1)[1] if "::" in nodeid else nodeid',
+        'name = nodeid.split("::")[-1]',
+        "class name dropped from the stem",
+    ),
+    # comparison.py
+    _m("comparison.py", "torch.default_generator.manual_seed(RUN_SEED)", "pass", "runs not seeded"),
+    _m(
+        "comparison.py",
+        "math.floor(math.log2(FP16_MAX / max_gradient / 4))",
+        "math.ceil(math.log2(FP16_MAX / max_gradient / 4))",
+        "loss scale rounded up",
+    ),
+    _m(
+        "comparison.py",
+        'scaled = runner.backward and variant.dtype == "float16"',
+        'scaled = runner.backward and variant.weight_dtype == "float16"',
+        "fp16 autocast not loss-scaled",
+    ),
+    _m(
+        "comparison.py",
+        "variant_scale=self.scale if kind in GRADIENT_KINDS else 1.0,",
+        "variant_scale=self.scale,",
+        "forward tensors unscaled too",
+    ),
+    _m(
+        "comparison.py",
+        'return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor',
+        'return apply_mask(tensor, self.mask) if kind == "fw" else tensor',
+        "padding not masked out of backward tensors",
+    ),
+    _m(
+        "comparison.py",
+        "torch.cat([self.valid, last], dim=1)",
+        "torch.cat([last, self.valid], dim=1)",
+        "logits gradient mask shifted the wrong way",
+    ),
+    _m(
+        "comparison.py",
+        "(loss * loss_scale if loss_scale != 1 else loss).backward()",
+        "loss.backward()",
+        "loss scale never applied",
+    ),
+    _m(
+        "comparison.py",
+        "for _ in range(repeats - 1):\n            runner.run(ref.variant, noise.measure)",
+        "for _ in range(repeats - 2):\n            runner.run(ref.variant, noise.measure)",
+        "one reference repeat too few",
+    ),
+    _m(
+        "comparison.py",
+        "(max(seen) - min(seen)) + noise.get(key, 0.0)",
+        "(max(seen) - min(seen))",
+        "reference noise left out of the spread",
+    ),
+    _m(
+        "comparison.py",
+        "version = None if self.clone_all or self.offload or shares_input else _version_of(kept)",
+        "version = None if self.clone_all or self.offload else _version_of(kept)",
+        "reference keeps the caller's input storage",
+    ),
+    _m(
+        "comparison.py",
+        "return all(_version_of(self.stored[key]) == version for key, version in self.versions.items())",
+        "return True",
+        "in-place writes to kept reference tensors ignored",
+    ),
+    _m(
+        "comparison.py",
+        "logprob_dtype=torch.float64 if ref.variant.dtype == \"float64\" else torch.float32,",
+        "logprob_dtype=torch.float32,",
+        "fp64 reference's log-probs in float32",
+    ),
+    # capture.py
+    _m("capture.py", 'return name if index == 0 else f"{name}#{index}"', "return name", "repeated calls share a row"),
+    _m(
+        "capture.py",
+        'items: Any = [v for k, v in value.items() if k != "loss"]',
+        "items: Any = list(value.values())",
+        "the loss taken as a module's output",
+    ),
+    _m(
+        "capture.py",
+        "if trace.forward is None and finite_in and not _all_finite(output):",
+        "if trace.forward is None and not _all_finite(output):",
+        "non-finite origin blamed on a module whose inputs were non-finite",
+    ),
+    _m("capture.py", "if best is None or size > best[0]:", "if best is None or size < best[0]:", "smallest block list"),
+    _m(
+        "capture.py",
+        "return [name for name in all_names if any(re.fullmatch(p, name) for p in patterns)]",
+        "return [name for name in all_names if any(re.search(p, name) for p in patterns)]",
+        "module patterns matched by search, not full match",
+    ),
+    # batch.py
+    _m(
+        "batch.py",
+        "return moved.requires_grad_(value.requires_grad and moved.is_floating_point())",
+        "return moved",
+        "inputs never require grad",
+    ),
+    _m("batch.py", "mask = keep if mask is None else mask & keep", "mask = keep", "attention mask dropped with labels"),
+    _m("batch.py", "return int(mask.sum())", "return int(mask.numel())", "token count includes padding"),
+    # logprobs.py
+    _m(
+        "logprobs.py",
+        "valid = valid & (attention_mask[:, 1:] != 0) & (attention_mask[:, :-1] != 0)",
+        "valid = valid & (attention_mask[:, 1:] != 0)",
+        "attention mask applied to the target only (left padding)",
+    ),
+    _m("logprobs.py", "work /= temperature", "work *= temperature", "temperature multiplied"),
+    _m(
+        "logprobs.py",
+        "low, high = math.log1p(-clip_eps), math.log1p(clip_eps)",
+        "low, high = -clip_eps, clip_eps",
+        "clip band in ratio space, not log space",
+    ),
+    _m("logprobs.py", "sequence_means.std(correction=0),", "sequence_means.std(),", "sequence std with Bessel"),
+    _m(
+        "logprobs.py",
+        "kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)",
+        "kl = log_p.exp_().mul_(difference).mean(dim=-1).clamp_min_(0.0)",
+        "KL averaged over the vocabulary",
+    ),
+    # model_build.py
+    _m(
+        "model_build.py",
+        'if dtype == "float16":\n        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])',
+        'if dtype in ("float16", "bfloat16"):\n        patterns += list(getattr(model, "_keep_in_fp32_modules", None) or [])',
+        "_keep_in_fp32_modules applied in bf16",
+    ),
+    _m(
+        "model_build.py",
+        'outer = [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]',
+        "outer = [n for n in names if not any(n.startswith(o) for o in names if o != n)]",
+        "fp32-module prefix matching without the dot",
+    ),
+    _m(
+        "model_build.py",
+        "return map_floating(output, lambda t: t.to(input_dtype))",
+        "return output",
+        "an fp32 module's output not cast back",
+    ),
+    _m(
+        "model_build.py",
+        "        cast_parameters(model, variant.weight_dtype)\n        for parameter in model.parameters():\n            parameter.grad = None",
+        "        cast_parameters(model, variant.weight_dtype)\n        for parameter in model.parameters():\n            pass",
+        "a factory's stale .grad kept",
+    ),
+    _m(
+        "model_build.py",
+        "copied = nn.Parameter(data, requires_grad=parameter.requires_grad)",
+        "copied = nn.Parameter(data)",
+        "frozen parameters trainable in the copy",
+    ),
+    _m("model_build.py", "keep_output_fp32=name == head", "keep_output_fp32=True", "every fp32 module returns fp32"),
+    _m("variants.py", 'return "float32" if self.autocast else self.dtype', "return self.dtype", "autocast casts weights"),
+    # references.py
+    _m(
+        "references.py",
+        "weighted = torch.dot(piece, weights[: piece.numel()]) * (1.0 + index * _CHUNK_FACTOR)",
+        "weighted = torch.dot(piece, weights[: piece.numel()])",
+        "checksum blind to a value moved to the same offset of another chunk",
+    ),
+    _m(
+        "references.py",
+        "if entry is None or entry[0]() is not model:",
+        "if entry is None:",
+        "cache hit for another model object",
+    ),
+    _m(
+        "references.py",
+        "described = (tuple(value.shape), str(value.dtype), str(value.device), bool(value.requires_grad))",
+        "described = (tuple(value.shape), str(value.device), bool(value.requires_grad))",
+        "input dtype left out of the cache key",
+    ),
+    # session.py
+    _m(
+        "session.py",
+        "        if limit_violations:\n            parts.append(messages.limit_message(limit_violations, order))",
+        "        if False:\n            parts.append(messages.limit_message(limit_violations, order))",
+        "limits ignored in compare mode",
+    ),
+    _m(
+        "session.py",
+        "if test in self.collected and (test not in self.checked or file_device != current_device):",
+        "if test in self.collected and test not in self.checked:",
+        "stale check ignores the device suffix",
+    ),
+]
