@@ -334,3 +334,30 @@ def test_infinite_rtol_holds_for_a_negative_higher_is_better_baseline():
     result = gate(record(sqnr_db=-5.0), record(sqnr_db=-50.0), unbounded, ("sqnr_db",))
     assert result.violations == []
     assert is_worse("sqnr_db", -5.0, -50.0, Tolerance(rtol=1e9, atol=0.0))  # a finite rtol still bounds it
+
+
+def test_messages_say_which_side_is_undefined_and_why():
+    from pathlib import Path
+
+    from pytest_precision.messages import UNDEFINED_CAUSES, limit_message, regression_message, undefined_message
+
+    in_run = gate(record(rms_rel=0.01), record(rms_rel=None)).violations
+    in_baseline = gate(record("head", rms_rel=None), record("head", rms_rel=0.02)).violations
+    lines = regression_message(in_run + in_baseline, 2, Path("b.json"), "t.py::t", {}).splitlines()
+    assert lines[1] == (
+        f"undefined in this run, nothing to hold against the baseline: bf16 layers.0 (fw) rms_rel ({UNDEFINED_CAUSES})"
+    )
+    assert lines[2] == (
+        "undefined in the baseline but defined in this run (refresh the baseline if the change is intended): "
+        "bf16 head (fw) rms_rel"
+    )
+    assert lines[4].split() == ["bf16", "layers.0", "fw", "rms_rel", "0.01", "undefined"]
+    assert lines[5].split() == ["bf16", "head", "fw", "rms_rel", "undefined", "0.02"]
+    limits = check_limits({"bf16": [record(correlation=None)]}, {"fw": {"correlation": 0.9}})
+    assert limit_message(limits, {}).splitlines()[2].split() == [
+        "bf16", "layers.0", "fw", "correlation", "(limit)", "undefined", "0.9"
+    ]  # fmt: skip
+    empty = record(count=0, shape=(4, 8), rms_rel=None)
+    refusal = undefined_message([("bf16", empty, ["rms_rel"])], Path("b.json")).splitlines()
+    assert refusal[0].startswith("not writing b.json: 1 gated tensor(s) have nothing to compare")
+    assert refusal[1] == "  bf16  layers.0 (fw): rms_rel undefined (0 of 32 values compared)"
