@@ -2,8 +2,15 @@
 (atomically, and only when a number moved).
 
 A file is JSON a reviewer can read in a diff: sorted keys, indented, one record per line, floats rounded
-to 6 significant digits, trailing newline. Infinities are written as the strings "inf" / "-inf", undefined
-values as null.
+to 6 significant digits (fp16 loss scales exactly: they are reused as they are), trailing newline.
+Infinities are written as the strings "inf" / "-inf", undefined values as null.
+
+`load_baseline` validates a file before the gate uses it: every record an object with a string `name`, a
+known `kind`, a `shape` of non-negative integers, non-negative integer `count` and `nonfinite`, every core
+metric present and each metric a number, null, "inf" or "-inf" (never a NaN / Infinity literal); each
+tensor once per variant; `variant_order` listing each variant once; a recorded `loss_scale` null or a
+finite positive power of two. Anything else is a BaselineError naming the file, the variant, the tensor
+and the field.
 """
 
 from __future__ import annotations

@@ -228,10 +228,10 @@ class ToleranceRules:
         """JSON-ready (infinities as floats; json_ready writes them as "inf"); per-tensor keys as an ordered
         list of pairs, so that first-match order survives sorted JSON."""
         return {
-            "base": {"rtol": self.base.rtol, "atol": self.base.atol},
-            "rtol": self.rtol,
-            "atol": self.atol,
-            "tolerances": [[key, dict(values)] for key, values in self.per_tensor.items()],
+            "base": {"rtol": float(self.base.rtol), "atol": float(self.base.atol)},
+            "rtol": None if self.rtol is None else float(self.rtol),
+            "atol": None if self.atol is None else float(self.atol),
+            "tolerances": [[key, {k: float(v) for k, v in values.items()}] for key, values in self.per_tensor.items()],
         }
 
     @classmethod
