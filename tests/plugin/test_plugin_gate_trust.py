@@ -333,6 +333,13 @@ def test_summary_holds_each_test_to_the_tolerances_its_gate_used(pytester, monke
     assert gates["test_sum.py::test_per_tensor"]["tolerances"][0] == ["fw", {"rtol": 100}]
     assert gates["test_sum.py::test_per_tensor"]["metrics"] == ["rms_rel", "max_rel"]
 
+    # Under xdist the gate's tolerances travel from the workers with the rest of each test's entry.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--precision-report", "xdist")
+    result.assert_outcomes(passed=2, failed=1)
+    sections = summary_sections((pytester.path / "xdist" / "summary.md").read_text())
+    assert "Against the baseline: 0 regression(s), " in sections["test_sum.py::test_loose"]
+    assert "Against the baseline: 0 regression(s), " in sections["test_sum.py::test_per_tensor"]
+
 
 # --- precision.run that nothing gates ---------------------------------------------------------------------------
 
