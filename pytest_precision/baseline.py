@@ -2,12 +2,20 @@
 (atomically, and only when a number moved).
 
 A file is JSON a reviewer can read in a diff: sorted keys, indented, one record per line, floats rounded
-to 6 significant digits, trailing newline. Infinities are written as the strings "inf" / "-inf", undefined
-values as null.
+to 6 significant digits (fp16 loss scales exactly: they are reused as they are), trailing newline.
+Infinities are written as the strings "inf" / "-inf", undefined values as null.
+
+`load_baseline` validates a file before the gate uses it: every record an object with a string `name`, a
+known `kind`, a `shape` of non-negative integers, non-negative integer `count` and `nonfinite`, every core
+metric present and each metric a number, null, "inf" or "-inf" (never a NaN / Infinity literal); each
+tensor once per variant; `variant_order` listing each variant once; a recorded `loss_scale` null or a
+finite positive power of two. Anything else is a BaselineError naming the file, the variant, the tensor
+and the field.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -18,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BaselineError
-from .report import PrecisionReport, Record
+from .metrics import METRIC_NAMES
+from .report import KINDS, PrecisionReport, Record
 
 SCHEMA_VERSION = 1
 SIGNIFICANT_DIGITS = 6
@@ -36,8 +45,14 @@ def baseline_path(directory: Path, test_file: str, stem: str, device_key: str) -
     return directory / relative / f"{stem}.{device_key}.json"
 
 
-def json_ready(value: Any) -> Any:
-    """Floats rounded to SIGNIFICANT_DIGITS, NaN as null, infinities as \"inf\" / \"-inf\"."""
+#: Keys whose float values are written exactly, never rounded: fp16 loss scales are powers of two that a
+#: compare run reuses as they are (2**20 rounded to 6 digits would be 1048580).
+EXACT_KEYS = frozenset({"loss_scale"})
+
+
+def json_ready(value: Any, *, exact: bool = False) -> Any:
+    """Floats rounded to SIGNIFICANT_DIGITS (values under EXACT_KEYS kept as they are), NaN as null,
+    infinities as \"inf\" / \"-inf\"."""
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -45,15 +60,24 @@ def json_ready(value: Any) -> Any:
             return None
         if math.isinf(value):
             return "inf" if value > 0 else "-inf"
-        return float(f"{value:.{SIGNIFICANT_DIGITS}g}")
+        return value if exact else float(f"{value:.{SIGNIFICANT_DIGITS}g}")
     if isinstance(value, dict):
-        return {str(k): json_ready(v) for k, v in value.items()}
+        return {str(k): json_ready(v, exact=k in EXACT_KEYS) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_ready(v) for v in value]
     return str(value)
 
 
+#: Record fields that hold a metric (a number, null, or "inf" / "-inf" in a file).
+METRIC_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(Record) if f.name not in ("name", "kind", "shape", "count", "nonfinite")
+)
+#: Metric fields every record holds (the others only where defined, see Record.to_dict).
+REQUIRED_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "nonfinite")
+
+
 def _restored(value: Any) -> Any:
+    """A metric as written: "inf" / "-inf" back to infinities."""
     if value == "inf":
         return math.inf
     if value == "-inf":
@@ -114,7 +138,7 @@ def render(document: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Baseline:
-    """A parsed baseline file."""
+    """A parsed baseline file (load_baseline has validated it)."""
 
     path: Path
     data: dict[str, Any]
@@ -125,9 +149,30 @@ class Baseline:
 
     def records(self) -> dict[str, list[Record]]:
         return {
-            name: [Record.from_dict({k: _restored(v) for k, v in r.items()}) for r in entry["records"]]
+            name: [Record.from_dict(_restored_record(r)) for r in entry["records"]]
             for name, entry in self.data["variants"].items()
         }
+
+    def loss_scales(self) -> dict[str, float]:
+        """{variant: the fp16 loss scale its run recorded}, for variants that recorded one."""
+        scales = {}
+        for name, entry in self.data["variants"].items():
+            scale = (entry.get("run") or {}).get("loss_scale")
+            if scale is not None:
+                scales[name] = float(scale)
+        return scales
+
+
+def _restored_record(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: _restored(v) if k in METRIC_FIELDS else v for k, v in record.items()}
+
+
+_LITERAL_HINT = 'which JSON does not allow (an undefined metric is null, an infinite one "inf" or "-inf")'
+
+
+class _NonStandardLiteral(str):
+    """NaN, Infinity or -Infinity in a file: Python's json reads them, JSON has none, a baseline never
+    holds them (NaN is written null, infinities "inf" / "-inf")."""
 
 
 def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -> Baseline:
@@ -135,20 +180,24 @@ def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -
 
     `shown` is the path as the user should read it (relative to where pytest runs).
     """
-    fix = f"Re-create it with: {refresh_hint}"
+    fix = f"Re-create it with: {refresh_hint}" if refresh_hint else "Re-create it with --update-baselines."
     name = shown or path
     try:
         text = path.read_text(encoding="utf-8")
-    except OSError as error:
+    except (OSError, UnicodeDecodeError) as error:
         raise BaselineError(f"cannot read precision baseline {name}: {error}") from None
     if not text.strip():
         raise BaselineError(f"precision baseline {name} is empty. {fix}")
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
+        data = json.loads(text, parse_constant=_NonStandardLiteral)
+    except (json.JSONDecodeError, RecursionError) as error:
+        where = (
+            f" (line {error.lineno}, column {error.colno}: {error.msg})"
+            if isinstance(error, json.JSONDecodeError)
+            else " (nested too deeply)"
+        )
         raise BaselineError(
-            f"precision baseline {name} is not valid JSON (line {error.lineno}, column {error.colno}: "
-            f"{error.msg}); it may be truncated or have a merge conflict. {fix}"
+            f"precision baseline {name} is not valid JSON{where}; it may be truncated or have a merge conflict. {fix}"
         ) from None
     if not isinstance(data, dict):
         raise BaselineError(f"precision baseline {name} holds a JSON {type(data).__name__}, not an object. {fix}")
@@ -158,12 +207,121 @@ def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -
             f"precision baseline {name} has schema_version {version!r}; this pytest-precision reads "
             f"version {SCHEMA_VERSION}. {fix}"
         )
-    variants = data.get("variants")
-    if not isinstance(variants, dict) or not all(
-        isinstance(v, dict) and isinstance(v.get("records"), list) for v in variants.values()
-    ):
-        raise BaselineError(f"precision baseline {name} has no valid 'variants' block. {fix}")
+    problem = _document_problem(data) or _literal_problem(data, "")
+    if problem:
+        raise BaselineError(f"precision baseline {name}: {problem}. {fix}")
     return Baseline(path, data)
+
+
+def _literal_problem(value: Any, where: str) -> str | None:
+    """Where the first NaN / Infinity literal outside the records is, if any."""
+    if isinstance(value, _NonStandardLiteral):
+        return f"field {where} holds the literal {value}, {_LITERAL_HINT}"
+    if isinstance(value, dict):
+        children = [(f"{where}.{key}" if where else key, item) for key, item in value.items()]
+    else:
+        children = [(f"{where}[{i}]", item) for i, item in enumerate(value)] if isinstance(value, list) else []
+    for child, item in children:
+        found = _literal_problem(item, child)
+        if found:
+            return found
+    return None
+
+
+def _document_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with the blocks around the records, then with each variant, if anything."""
+    variants = data.get("variants")
+    if not isinstance(variants, dict):
+        return f"'variants' is {_json_type(variants)}, not an object of variants"
+    for key, wanted in (("test", str), ("device", str), ("environment", dict), ("reference", dict)):
+        if key in data and not isinstance(data[key], wanted):
+            return f"field {key!r} is {_json_type(data[key])}, not {_json_type(wanted())}"
+    order = data.get("variant_order")
+    if order is not None and (
+        not isinstance(order, list) or not all(isinstance(v, str) for v in order) or sorted(order) != sorted(variants)
+    ):
+        return f"'variant_order' {order!r} does not list each variant of 'variants' once ({', '.join(variants)})"
+    problem = _run_problem(data.get("reference") or {}, "the reference")
+    for variant, entry in variants.items():
+        problem = problem or _variant_problem(variant, entry)
+    return problem
+
+
+def _variant_problem(variant: str, entry: Any) -> str | None:
+    where = f"variant {variant!r}"
+    if not isinstance(entry, dict):
+        return f"{where} is {_json_type(entry)}, not an object"
+    if not isinstance(entry.get("records"), list):
+        return f"{where}: 'records' is {_json_type(entry.get('records'))}, not a list of records"
+    problem = _run_problem(entry, where)
+    seen: set[tuple[str, str]] = set()
+    for index, record in enumerate(entry["records"]):
+        problem = problem or _record_problem(record, where, index)
+        if problem is None:
+            key = (record["name"], record["kind"])
+            if key in seen:
+                problem = f"{where}: tensor {key[0]!r} ({key[1]}) is listed twice"
+            seen.add(key)
+    return problem
+
+
+def _run_problem(entry: dict[str, Any], where: str) -> str | None:
+    """'spec' and 'run' are objects; a recorded loss scale is a finite positive power of two."""
+    for key in ("spec", "run"):
+        if key in entry and not isinstance(entry[key], dict):
+            return f"{where}: {key!r} is {_json_type(entry[key])}, not an object"
+    scale = (entry.get("run") or {}).get("loss_scale")
+    if scale is None:
+        return None
+    number = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not number or not math.isfinite(scale) or scale <= 0 or math.frexp(scale)[0] != 0.5:
+        return f"{where}: field 'loss_scale' is {scale!r}, not a finite positive power of two (or null)"
+    return None
+
+
+def _record_problem(record: Any, variant: str, index: int) -> str | None:
+    """The first wrong field of one record: its identity, its counts, then its metrics."""
+    if not isinstance(record, dict):
+        return f"{variant}, records[{index}] is {_json_type(record)}, not an object"
+    name, kind = record.get("name"), record.get("kind")
+    if not isinstance(name, str):
+        return f"{variant}, records[{index}]: field 'name' is {_json_type(name)}, not a string"
+    where = f"{variant}, tensor {name!r}"
+    if kind not in KINDS:
+        return f"{where}: field 'kind' is {kind!r}, not one of {', '.join(KINDS)}"
+    where = f"{where} ({kind})"
+    shape = record.get("shape")
+    if not isinstance(shape, list) or not all(_count(n) for n in shape):
+        return f"{where}: field 'shape' is {shape!r}, not a list of non-negative integers"
+    for field_name in ("count", "nonfinite"):
+        if not _count(record.get(field_name)):
+            return f"{where}: field {field_name!r} is {record.get(field_name)!r}, not a non-negative integer"
+    for metric in REQUIRED_METRICS:
+        if metric not in record:
+            return f"{where}: field {metric!r} is missing"
+    for metric in METRIC_FIELDS:
+        value = record.get(metric)
+        if isinstance(value, _NonStandardLiteral):
+            return f"{where}: field {metric!r} holds the literal {value}, {_LITERAL_HINT}"
+        if value is not None and value not in ("inf", "-inf") and not _real(value):
+            return f'{where}: field {metric!r} is {value!r}, not a number, null, "inf" or "-inf"'
+    return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, (bool, str))
+
+
+def _json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages: 'a string', 'null', 'a list', ..."""
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", str: "a string", list: "a list", dict: "an object", int: "a number"}
+    return names.get(type(value), "a number" if isinstance(value, float) else type(value).__name__)
 
 
 def write_atomically(path: Path, text: str) -> None:

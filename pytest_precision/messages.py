@@ -19,6 +19,13 @@ MAX_ROWS = 20
 _KIND_ORDER = {"fw": 0, "logprob": 1, "loss": 2, "bw": 3, "grad": 4, "*": 5}
 
 REFRESH_TEMPLATE = "pytest {nodeid} --update-baselines"
+#: A metric without a value, in tables.
+UNDEFINED = "undefined"
+#: Why a metric can be undefined in a run, for messages.
+UNDEFINED_CAUSES = (
+    "nothing was compared (the reference is not finite, every label is -100, the mask removes every position) "
+    "or the variant's output is constant or all zeros"
+)
 
 
 def refresh_command(nodeid: str) -> str:
@@ -71,11 +78,15 @@ def violation_table(violations: Sequence[Violation]) -> list[str]:
                     v.kind,
                     v.metric,
                     "(limit)",
-                    format_number(v.obtained),
+                    UNDEFINED if v.obtained is None else format_number(v.obtained),
                     "",
                     format_number(v.allowed),
                 ]
             )
+        elif v.reason == "undefined":
+            expected = UNDEFINED if v.expected is None else format_number(v.expected)
+            obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
+            rows.append([v.variant, v.name, v.kind, v.metric, expected, obtained, "", ""])
         else:
             rows.append(
                 [
@@ -125,12 +136,32 @@ def regression_message(
         )
         for variant, origin in sorted((nonfinite_origin or {}).items()):
             lines.append(f"  {variant}: first non-finite output from finite inputs in {origin}")
+    lines += _undefined_lines(ordered)
     lines += [
         *violation_table(ordered),
         f"Baseline: {path}",
         f"If the change is intended, refresh it: {refresh_command(nodeid)}",
     ]
     return "\n".join(lines)
+
+
+def _undefined_lines(violations: Sequence[Violation]) -> list[str]:
+    """Why metrics without a value fail: undefined in this run, or in the baseline (then refresh it)."""
+    in_run = [v for v in violations if v.reason == "undefined" and v.obtained is None]
+    in_baseline = [v for v in violations if v.reason == "undefined" and v.obtained is not None]
+    lines = []
+    if in_run:
+        lines.append(
+            "undefined in this run, nothing to hold against the baseline: "
+            + ", ".join(f"{v.variant} {v.name} ({v.kind}) {v.metric}" for v in in_run[:5])
+            + f" ({UNDEFINED_CAUSES})"
+        )
+    if in_baseline:
+        lines.append(
+            "undefined in the baseline but defined in this run (refresh the baseline if the change is intended): "
+            + ", ".join(f"{v.variant} {v.name} ({v.kind}) {v.metric}" for v in in_baseline[:5])
+        )
+    return lines
 
 
 def improvement_message(
@@ -171,6 +202,27 @@ def nonfinite_message(rows: Sequence[tuple[str, Record]], path: Path) -> str:
             "(first in execution order first):",
             *shown,
             "Fix the variant (fp16 overflow? missing loss scaling?) or leave it out of variants=, then update again.",
+        ]
+    )
+
+
+def undefined_message(rows: Sequence[tuple[str, Record, Sequence[str]]], path: Path) -> str:
+    """Refusal to write a baseline whose gated metrics are undefined: it would gate nothing there."""
+    shown = [
+        f"  {variant}  {r.name} ({r.kind}): {', '.join(metrics)} undefined ({r.count} of {math.prod(r.shape)} "
+        "values compared)"
+        for variant, r, metrics in rows
+    ]
+    if len(shown) > MAX_ROWS:
+        shown = [*shown[:MAX_ROWS], f"  ... {len(shown) - MAX_ROWS} more"]
+    return "\n".join(
+        [
+            f"not writing {path}: {len(rows)} gated tensor(s) have nothing to compare, a metric without a value "
+            "(first in execution order first):",
+            *shown,
+            f"Likely: {UNDEFINED_CAUSES}.",
+            "Fix the inputs or the variant, or leave the tensor out (modules=) or the metric out (metrics=), then "
+            "update again.",
         ]
     )
 

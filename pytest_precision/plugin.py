@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,9 @@ from .session import (  # noqa: E402
     TABLES_KEY,
     PrecisionRunner,
     PrecisionSession,
+    PrecisionUnassertedWarning,
     option,
+    unasserted_run,
 )
 
 GPU_MARKER = "precision_gpu"
@@ -178,6 +181,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return (yield)
     finally:
         CURRENT_ITEM.reset(token)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    # After a test body that returned: precision.run without assert_precision_within warns (fails if strict).
+    result = yield
+    message = unasserted_run(item)
+    if message is not None:
+        if item.config.stash[SESSION_KEY].strict:
+            pytest.fail(message, pytrace=False)
+        warnings.warn(PrecisionUnassertedWarning(message), stacklevel=1)
+    return result
 
 
 @pytest.hookimpl(wrapper=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -31,6 +32,24 @@ DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability")
 
 STEMS_KEY = pytest.StashKey[set[str]]()
 TABLES_KEY = pytest.StashKey[list[str]]()
+#: Set to False by precision.run and to True by assert_precision_within: False after the test's call
+#: means a comparison that nothing gated (see unasserted_run).
+ASSERTED_KEY = pytest.StashKey[bool]()
+
+
+class PrecisionUnassertedWarning(pytest.PytestWarning):
+    """A test ran `precision.run` but never called `assert_precision_within`: its numbers gate nothing."""
+
+
+def unasserted_run(item: pytest.Item) -> str | None:
+    """The message for a test whose precision.run result nothing gated, else None."""
+    if item.stash.get(ASSERTED_KEY, True):
+        return None
+    return (
+        f"{item.nodeid} ran precision.run but never called assert_precision_within, so no baseline or limit "
+        "gates its numbers: pass the report to assert_precision_within(report) (or call "
+        "pytest_precision.compare directly when the test checks the report itself)"
+    )
 
 
 def option(config: pytest.Config, name: str) -> Any:
@@ -40,13 +59,19 @@ def option(config: pytest.Config, name: str) -> Any:
 
 
 def _float_option(config: pytest.Config, name: str) -> float | None:
+    """A tolerance option (command line, else ini): a number >= 0 or inf (no bound); never NaN."""
     value = option(config, name)
     if value in (None, ""):
         return None
     try:
-        return float(value)
-    except ValueError:
+        number = float(value)
+    except (TypeError, ValueError):
         raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
+    if math.isnan(number):
+        raise pytest.UsageError(f"{name} is NaN; give a number >= 0 (inf means no bound)")
+    if number < 0:
+        raise pytest.UsageError(f"{name} must be >= 0, got {value!r}")
+    return number
 
 
 def _report_dir(config: pytest.Config) -> Path | None:
@@ -145,6 +170,7 @@ class PrecisionSession:
     ) -> None:
         """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits."""
         __tracebackhide__ = True
+        item.stash[ASSERTED_KEY] = True
         try:
             outcome, message = self._gate(item, report, baseline, rtol, atol, metrics, tolerances, limits)
         except PrecisionError as error:
@@ -176,6 +202,7 @@ class PrecisionSession:
             ToleranceRules,
             check_against_baseline,
             check_limits,
+            undefined_metrics,
             validated_metrics,
         )
 
@@ -207,18 +234,23 @@ class PrecisionSession:
             base=self._base_tolerance(item, Tolerance),
             rtol=rtol,
             atol=atol,
-            per_tensor=dict(tolerances or {}),
+            per_tensor={} if tolerances is None else tolerances,
         )
         gated_metrics = validated_metrics(metrics if metrics is not None else DEFAULT_METRICS)
+        # What the gate used, so that summary.md lists the gate's own regressions (see summary.section_lines).
+        self.tests[item.nodeid]["gate"] = {**rules.to_dict(), "metrics": gated_metrics}
         obtained = {v: report.records(v) for v in report.variants}
         order = {(variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)}
-        limit_violations = check_limits(obtained, limits or {})
+        limit_violations = check_limits(obtained, {} if limits is None else limits)
         nodeid = self._cwd_nodeid(item)
         shown = self._shown(path)
         if self.update:
             nonfinite = [(v, r) for v, rows in obtained.items() for r in rows if r.nonfinite]
             if nonfinite:
                 return "failed", messages.nonfinite_message(nonfinite, shown)
+            undefined = [(v, r, undefined_metrics(r, gated_metrics)) for v, rows in obtained.items() for r in rows]
+            if any(names for _, _, names in undefined):
+                return "failed", messages.undefined_message([u for u in undefined if u[2]], shown)
             if limit_violations:
                 # Limits hold without a baseline: a run that breaks them is not written as the expectation.
                 return "failed", messages.limit_message(limit_violations, order) + f"\nNot written: {shown}"
@@ -272,15 +304,12 @@ class PrecisionSession:
         path = baselines.baseline_path(
             self.baseline_dir, self._test_file(item), stem or baselines.baseline_stem(item.nodeid), device_key(device)
         )
-        try:
-            variants = json.loads(path.read_text(encoding="utf-8"))["variants"]
-            return {
-                name: float(entry["run"]["loss_scale"])
-                for name, entry in variants.items()
-                if entry.get("run", {}).get("loss_scale") is not None
-            }
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        if not path.is_file():
             return {}
+        try:
+            return baselines.load_baseline(path, "").loss_scales()
+        except PrecisionError:
+            return {}  # a corrupt file (a loss scale that is no power of two, ...): the gate fails on it
 
     @staticmethod
     def _write(path: Path, document: dict[str, Any]) -> str:
@@ -308,8 +337,10 @@ class PrecisionSession:
                 raise ConfigurationError(
                     f"@pytest.mark.precision takes rtol= and atol= keywords only, got {marker.args or unknown}"
                 )
-            rtol = marker.kwargs.get("rtol", rtol)
-            atol = marker.kwargs.get("atol", atol)
+            from .tolerance import checked_number
+
+            rtol = checked_number(marker.kwargs.get("rtol", rtol), "@pytest.mark.precision(rtol=...)", minimum=0.0)
+            atol = checked_number(marker.kwargs.get("atol", atol), "@pytest.mark.precision(atol=...)", minimum=0.0)
         return tolerance_type(rtol=float(rtol), atol=float(atol))
 
     def _test_file(self, item: pytest.Item) -> str:
@@ -498,5 +529,6 @@ class PrecisionRunner:
             message = f"{type(error).__name__}: {error}"
         else:
             self._item.stash.setdefault(TABLES_KEY, []).append(report.format(full=False))
+            self._item.stash.setdefault(ASSERTED_KEY, False)
             return report
         pytest.fail(message, pytrace=False)

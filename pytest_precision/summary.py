@@ -110,7 +110,7 @@ def baseline_section(
     obtained = {variant: report.records(variant) for variant in report.variants}
     check = check_against_baseline(baseline, obtained, rules or ToleranceRules(), metrics)
     regressions = [v for v in check.violations if v.reason in ("regressed", "nonfinite")]
-    other = [v for v in check.violations if v.reason in ("new", "missing")]
+    other = [v for v in check.violations if v.reason in ("new", "missing", "undefined")]
     lines: list[str] = []
     worst = _ratio(check.worst_ratio)
     lines.append(
@@ -128,13 +128,16 @@ def baseline_section(
     if other:
         listed = ", ".join(_new_or_missing(v) for v in other[:10])
         more = f" and {len(other) - 10} more" if len(other) > 10 else ""
-        lines += ["", f"New or missing against the baseline: {listed}{more}."]
+        lines += ["", f"New, missing or undefined against the baseline: {listed}{more}."]
     return lines
 
 
 def _new_or_missing(violation: Violation) -> str:
     if violation.name == "*":
         return f"{violation.variant} (whole variant {violation.reason})"
+    if violation.reason == "undefined":
+        side = "this run" if violation.obtained is None else "the baseline"
+        return f"{violation.variant}: {violation.name} ({violation.kind}, {violation.metric} undefined in {side})"
     return f"{violation.variant}: {violation.name} ({violation.kind}, {violation.reason})"
 
 
@@ -165,7 +168,12 @@ def section_lines(
     rules: ToleranceRules | None = None,
     metrics: Iterable[str] = DEFAULT_METRICS,
 ) -> list[str]:
-    """The markdown lines of one test."""
+    """The markdown lines of one test. The tolerances and gated metrics its gate used (the entry's "gate",
+    see ToleranceRules.to_dict) replace `rules` and `metrics` when the entry has them."""
+    gate = entry.get("gate")
+    if isinstance(gate, Mapping):
+        rules = ToleranceRules.from_dict(gate)
+        metrics = gate.get("metrics") or metrics
     outcome = entry.get("outcome") or "unknown"
     lines = [f"### {_code(nodeid)}: {outcome}", ""]
     if entry.get("baseline_outcome") or entry.get("baseline"):
@@ -202,8 +210,8 @@ def markdown_summary(
     """The whole summary: a title line with the outcome counts, then one section per test.
 
     `tests` is the "tests" block of precision-report.json; `baselines` maps a nodeid to its baseline's
-    records per variant (Baseline.records()). `rules` and `metrics` should be the ones the gate used, so
-    that the listed regressions are the gate's (default tolerances otherwise).
+    records per variant (Baseline.records()). Each test is held against its baseline with the tolerances
+    and metrics its gate used (its entry's "gate"); `rules` and `metrics` serve entries without one.
     """
     baselines = baselines or {}
     metrics = list(metrics)

@@ -12,6 +12,20 @@ blocking, other accumulation order) move bf16/fp16 errors of ~1e-3..1e-2 without
 regression (a layer losing a mantissa bit doubles its error) fails. 1e-5 absolute (0.001% relative error)
 absorbs fp32-level noise (~1e-7..1e-6) on tensors whose baseline error is zero or near it, such as an fp32 or
 TF32-on-CPU variant, without hiding a bf16-sized (1e-3) error appearing there.
+
+What a pass means: for every gated tensor and metric, the run's value is within the tolerance of the
+baseline's, no tensor gained NaN/Inf, no tensor or variant is new or missing, and every limit holds.
+A metric that is undefined (None: nothing was compared, or the reference is constant or all zeros) on one
+side and a number on the other fails, in either direction: undefined in this run (the reference went
+non-finite, every label is -100, the mask removed every position) or undefined in the baseline (refresh it).
+Undefined on both sides passes: the tensor is the same kind of degenerate as when the baseline was written.
+
+Tolerances and limits are checked where they are given (command line, ini, marker, call, `tolerances=`,
+`limits=`): each must be a real number (not a bool, a string or None), never NaN; rtol and atol are >= 0.
+`inf` is allowed and means "no bound": rtol=inf or atol=inf never fails that metric (nonfinite values,
+undefined metrics and new or missing tensors still fail), a limit of inf (a maximum) or -inf (a minimum,
+for correlation, cosine, sqnr_db) never fails. A limit on a metric a tensor leaves undefined fails
+(log-probability-only metrics on rows that do not carry them are skipped).
 """
 
 from __future__ import annotations
@@ -21,10 +35,11 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from numbers import Real
+from typing import Any, Literal
 
 from .errors import ConfigurationError
-from .metrics import DESCRIPTIVE_METRICS, METRIC_DIRECTIONS, SIGNED_METRICS
+from .metrics import DESCRIPTIVE_METRICS, METRIC_DIRECTIONS, OPTIONAL_METRICS, SIGNED_METRICS
 from .report import Record
 
 DEFAULT_RTOL = 0.10
@@ -35,13 +50,37 @@ DEFAULT_METRICS: tuple[str, ...] = ("rms_rel",)
 #: non-deterministic kernel from failing the gate while a real regression, far larger, still fails.
 NOISE_FACTOR = 3.0
 
-Reason = Literal["regressed", "improved", "nonfinite", "limit", "missing", "new"]
+Reason = Literal["regressed", "improved", "nonfinite", "limit", "missing", "new", "undefined"]
+
+
+def checked_number(value: object, setting: str, *, minimum: float | None = None) -> float:
+    """`value` as a float, or a ConfigurationError naming `setting`: not a real number (bool, str, None, a
+    list), NaN, or below `minimum`. Infinities pass: their meaning is the caller's (see the module doc)."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ConfigurationError(f"{setting} must be a number, got {value!r} ({type(value).__name__})")
+    number = float(value)
+    if math.isnan(number):
+        raise ConfigurationError(f"{setting} is NaN; give a number (inf means no bound)")
+    if minimum is not None and number < minimum:
+        raise ConfigurationError(f"{setting} must be >= {minimum:g}, got {number:g}")
+    return number
 
 
 @dataclass(frozen=True)
 class Tolerance:
+    """A relative and an absolute tolerance, both >= 0 (inf: never fails on the metric)."""
+
     rtol: float = DEFAULT_RTOL
     atol: float = DEFAULT_ATOL
+
+    def __post_init__(self) -> None:
+        checked_number(self.rtol, "rtol", minimum=0.0)
+        checked_number(self.atol, "atol", minimum=0.0)
+
+    @property
+    def unbounded(self) -> bool:
+        """rtol or atol is inf: the metric's value never fails (nor counts as an improvement)."""
+        return math.isinf(self.rtol) or math.isinf(self.atol)
 
 
 @dataclass(frozen=True)
@@ -88,16 +127,23 @@ def allowed_value(metric: str, expected: float, tolerance: Tolerance, spread: fl
     direction = METRIC_DIRECTIONS.get(metric, "lower")
     if metric == "nonfinite":
         return expected
+    if tolerance.unbounded:
+        return -math.inf if direction == "higher" else math.inf
     noise = NOISE_FACTOR * spread
     if direction == "higher":
-        return min(expected * (1 - tolerance.rtol) - tolerance.atol, expected - noise)
+        return min(_scaled(expected, 1 - tolerance.rtol) - tolerance.atol, expected - noise)
     magnitude = _magnitude(metric, expected)
     return max(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + noise)
 
 
+def _scaled(value: float, factor: float) -> float:
+    """value * factor, with 0 for a zero factor even when value is infinite (sqnr_db of an exact tensor)."""
+    return 0.0 if factor == 0 else value * factor
+
+
 def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
     """Whether `obtained` regressed past the tolerance of `expected` in the metric's direction."""
-    if math.isnan(expected) or math.isnan(obtained):
+    if math.isnan(expected) or math.isnan(obtained) or (metric != "nonfinite" and tolerance.unbounded):
         return False
     allowed = allowed_value(metric, expected, tolerance, spread)
     if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
@@ -107,7 +153,7 @@ def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance
 
 def is_better(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
     """Whether `obtained` improved past the tolerance: below expected * (1 - rtol) - atol (mirrored)."""
-    if metric == "nonfinite" or math.isnan(expected) or math.isnan(obtained):
+    if metric == "nonfinite" or math.isnan(expected) or math.isnan(obtained) or tolerance.unbounded:
         return False
     noise = NOISE_FACTOR * spread
     if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
@@ -116,10 +162,13 @@ def is_better(metric: str, expected: float, obtained: float, tolerance: Toleranc
     return _magnitude(metric, obtained) < min(magnitude * (1 - tolerance.rtol) - tolerance.atol, magnitude - noise)
 
 
-def validated_metrics(metrics: Iterable[str]) -> list[str]:
-    chosen = list(metrics)
+def validated_metrics(metrics: Iterable[str] | str) -> list[str]:
+    """The gated metrics as a list; one name given as a string is one metric; none at all is an error."""
+    chosen = [metrics] if isinstance(metrics, str) else list(metrics)
+    if not chosen:
+        raise ConfigurationError("metrics: empty; name at least one metric to gate (default: rms_rel)")
     for metric in chosen:
-        if metric not in METRIC_DIRECTIONS or metric in DESCRIPTIVE_METRICS:
+        if not isinstance(metric, str) or metric not in METRIC_DIRECTIONS or metric in DESCRIPTIVE_METRICS:
             gateable = sorted(set(METRIC_DIRECTIONS) - DESCRIPTIVE_METRICS)
             raise ConfigurationError(f"metrics: unknown metric {metric!r}; gateable metrics: {', '.join(gateable)}")
     return chosen
@@ -131,7 +180,11 @@ def _matches(key: str, record_name: str, kind: str) -> bool:
 
 @dataclass(frozen=True)
 class ToleranceRules:
-    """Tolerance precedence: call kwargs > per-tensor regexes > marker > ini > default (the `base`)."""
+    """Tolerance precedence: call kwargs > per-tensor regexes > marker > ini > default (the `base`).
+
+    Per-tensor keys are tried in order; the first that matches a tensor (its kind, or a regex found in its
+    name) gives its rtol/atol, and later keys are not consulted for that tensor.
+    """
 
     base: Tolerance = Tolerance()
     rtol: float | None = None
@@ -139,13 +192,25 @@ class ToleranceRules:
     per_tensor: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        for name in ("rtol", "atol"):
+            if getattr(self, name) is not None:
+                checked_number(getattr(self, name), f"assert_precision_within({name}=...)", minimum=0.0)
+        if not isinstance(self.per_tensor, Mapping):
+            raise ConfigurationError(
+                f"tolerances must be a dict {{tensor regex or kind: {{'rtol': .., 'atol': ..}}}}, got "
+                f"{type(self.per_tensor).__name__}"
+            )
         for key, values in self.per_tensor.items():
-            unknown = sorted(set(values) - {"rtol", "atol"})
+            _check_key(key, "tolerances")
+            if not isinstance(values, Mapping):
+                raise ConfigurationError(f"tolerances[{key!r}] must be a dict like {{'rtol': 0.2}}, got {values!r}")
+            unknown = sorted(str(k) for k in set(values) - {"rtol", "atol"})
             if unknown:
                 raise ConfigurationError(
                     f"tolerances[{key!r}]: unknown key(s) {', '.join(unknown)}; use 'rtol' and/or 'atol'"
                 )
-            _compile(key, "tolerances")
+            for name, value in values.items():
+                checked_number(value, f"tolerances[{key!r}][{name!r}]", minimum=0.0)
 
     def for_tensor(self, name: str, kind: str) -> Tolerance:
         rtol, atol = self.base.rtol, self.base.atol
@@ -158,6 +223,41 @@ class ToleranceRules:
             rtol=self.rtol if self.rtol is not None else rtol,
             atol=self.atol if self.atol is not None else atol,
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (infinities as floats; json_ready writes them as "inf"); per-tensor keys as an ordered
+        list of pairs, so that first-match order survives sorted JSON."""
+        return {
+            "base": {"rtol": float(self.base.rtol), "atol": float(self.base.atol)},
+            "rtol": None if self.rtol is None else float(self.rtol),
+            "atol": None if self.atol is None else float(self.atol),
+            "tolerances": [[key, {k: float(v) for k, v in values.items()}] for key, values in self.per_tensor.items()],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ToleranceRules:
+        """The rules `to_dict` wrote (also after json_ready: "inf" / "-inf" strings are read back)."""
+        base = data.get("base") or {}
+        return cls(
+            base=Tolerance(rtol=_number(base.get("rtol", DEFAULT_RTOL)), atol=_number(base.get("atol", DEFAULT_ATOL))),
+            rtol=None if data.get("rtol") is None else _number(data["rtol"]),
+            atol=None if data.get("atol") is None else _number(data["atol"]),
+            per_tensor={
+                str(key): {k: _number(v) for k, v in values.items()} for key, values in data.get("tolerances") or []
+            },
+        )
+
+
+def _number(value: Any) -> Any:
+    """A float written by json_ready: "inf" / "-inf" back to infinities; anything else as it is."""
+    return {"inf": math.inf, "-inf": -math.inf}.get(value, value) if isinstance(value, str) else value
+
+
+def _check_key(key: object, argument: str) -> None:
+    """A tolerances/limits key: a kind or a regex, as a string that compiles."""
+    if not isinstance(key, str):
+        raise ConfigurationError(f"{argument}: key {key!r} must be a string (a kind or a tensor-name regex)")
+    _compile(key, argument)
 
 
 def _compile(key: str, argument: str) -> None:
@@ -179,8 +279,100 @@ class BaselineCheck:
 
 
 def _spread(*records: Record) -> float:
+    """The larger run-to-run spread of the baseline's and the run's record (0 when neither has one)."""
     values = [getattr(r, "spread", None) for r in records]
     return max((v for v in values if v is not None), default=0.0)
+
+
+#: Relative metrics: undefined when the reference is all zeros (ref_rms == 0).
+_RELATIVE = frozenset({"rms_rel", "max_rel", "bias_rel", "residual_rms_rel", "cosine"})
+#: Metrics of the fit y ~ slope * x: undefined when the reference is constant (slope is None).
+_FIT = frozenset({"slope", "correlation", "residual_rms_rel"})
+
+
+def defined_value(record: Record, metric: str) -> float | None:
+    """The metric's value, None when undefined (None or NaN)."""
+    value = record.metric(metric)
+    return None if value is None or math.isnan(value) else value
+
+
+def undefined_by_reference(record: Record, metric: str) -> bool:
+    """Whether `metric` is undefined for a reason of the reference alone, which no variant can change: a
+    log-probability-only metric on a row that does not carry it, a relative metric of an all-zero reference,
+    a fit metric of a constant reference (a scalar loss), or a tensor of no elements. Not when nothing was
+    compared (non-finite reference, every label -100, every position masked) or the variant degenerated."""
+    if metric in OPTIONAL_METRICS:
+        return record.metric(metric) is None
+    if record.count == 0:
+        return math.prod(record.shape) == 0
+    if metric in _RELATIVE and record.ref_rms == 0:
+        return True
+    return metric in _FIT and record.slope is None
+
+
+def undefined_metrics(record: Record, metrics: Iterable[str]) -> list[str]:
+    """The gated metrics of `record` that are undefined for a reason other than its reference: nothing to
+    compare, so neither a gate nor a baseline can rest on them."""
+    return [
+        m
+        for m in metrics
+        if m != "nonfinite" and defined_value(record, m) is None and not undefined_by_reference(record, m)
+    ]
+
+
+def _undefined(variant: str, before: Record, record: Record, metric: str) -> Violation | None:
+    """A violation when the metric is undefined on one side only, or in this run for no reason of its
+    reference (see undefined_by_reference)."""
+    old, new = defined_value(before, metric), defined_value(record, metric)
+    if old is None and new is None and undefined_by_reference(record, metric):
+        return None
+    if old is not None and new is not None:
+        return None
+    return Violation(variant, record.name, record.kind, "undefined", metric, old, new)
+
+
+@dataclass
+class _Tally:
+    violations: list[Violation] = field(default_factory=list)
+    improvements: list[Violation] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+
+
+def _check_tensor(
+    variant: str, before: Record, record: Record, tolerance: Tolerance, metrics: Sequence[str], tally: _Tally
+) -> None:
+    """Hold one tensor of the run against its baseline record; add what is wrong or better to `tally`."""
+    if record.nonfinite > before.nonfinite:
+        tally.violations.append(
+            Violation(
+                variant,
+                record.name,
+                record.kind,
+                "nonfinite",
+                "nonfinite",
+                before.nonfinite,
+                record.nonfinite,
+                before.nonfinite,
+            )
+        )
+    spread = _spread(before, record)
+    for metric in metrics:
+        if metric == "nonfinite":
+            continue
+        undefined = _undefined(variant, before, record, metric)
+        old, new = defined_value(before, metric), defined_value(record, metric)
+        if undefined is not None:
+            tally.violations.append(undefined)
+        if old is None or new is None:
+            continue
+        allowed = allowed_value(metric, old, tolerance, spread)
+        found = Violation(variant, record.name, record.kind, "regressed", metric, old, new, allowed)
+        if found.ratio is not None and math.isfinite(found.ratio):
+            tally.ratios.append(found.ratio)
+        if is_worse(metric, old, new, tolerance, spread):
+            tally.violations.append(found)
+        elif is_better(metric, old, new, tolerance, spread):
+            tally.improvements.append(dataclasses.replace(found, reason="improved"))
 
 
 def check_against_baseline(
@@ -191,16 +383,14 @@ def check_against_baseline(
 ) -> BaselineCheck:
     """Regressions and improvements of `obtained` against `expected` (records per variant)."""
     gated_metrics = validated_metrics(metrics)
-    violations: list[Violation] = []
-    improvements: list[Violation] = []
-    ratios: list[float] = []
+    tally = _Tally()
     gated = 0
     for variant in list(obtained) + [v for v in expected if v not in obtained]:
         if variant not in expected:
-            violations.append(Violation(variant, "*", "*", "new"))
+            tally.violations.append(Violation(variant, "*", "*", "new"))
             continue
         if variant not in obtained:
-            violations.append(Violation(variant, "*", "*", "missing"))
+            tally.violations.append(Violation(variant, "*", "*", "missing"))
             continue
         baseline_rows = {(r.name, r.kind): r for r in expected[variant]}
         seen: set[tuple[str, str]] = set()
@@ -209,64 +399,60 @@ def check_against_baseline(
             seen.add(key)
             before = baseline_rows.get(key)
             if before is None:
-                violations.append(Violation(variant, record.name, record.kind, "new"))
+                tally.violations.append(Violation(variant, record.name, record.kind, "new"))
                 continue
             gated += 1
-            if record.nonfinite > before.nonfinite:
-                violations.append(
-                    Violation(
-                        variant,
-                        record.name,
-                        record.kind,
-                        "nonfinite",
-                        "nonfinite",
-                        before.nonfinite,
-                        record.nonfinite,
-                        before.nonfinite,
-                    )
-                )
             tolerance = rules.for_tensor(record.name, record.kind)
-            spread = _spread(before, record)
-            for metric in gated_metrics:
-                if metric == "nonfinite":
-                    continue
-                old, new = before.metric(metric), record.metric(metric)
-                if old is None or new is None:
-                    continue
-                found = Violation(
-                    variant,
-                    record.name,
-                    record.kind,
-                    "regressed",
-                    metric,
-                    old,
-                    new,
-                    allowed_value(metric, old, tolerance, spread),
-                )
-                if found.ratio is not None and math.isfinite(found.ratio):
-                    ratios.append(found.ratio)
-                if is_worse(metric, old, new, tolerance, spread):
-                    violations.append(found)
-                elif is_better(metric, old, new, tolerance, spread):
-                    improvements.append(dataclasses.replace(found, reason="improved"))
-        violations += [
+            _check_tensor(variant, before, record, tolerance, gated_metrics, tally)
+        tally.violations += [
             Violation(variant, name, kind, "missing") for (name, kind) in baseline_rows if (name, kind) not in seen
         ]
-    return BaselineCheck(violations, improvements, gated, max(ratios) if ratios else None)
+    worst = max(tally.ratios) if tally.ratios else None
+    return BaselineCheck(tally.violations, tally.improvements, gated, worst)
 
 
-def check_limits(
-    obtained: Mapping[str, Sequence[Record]], limits: Mapping[str, Mapping[str, float]]
-) -> list[Violation]:
+def validated_limits(limits: object) -> dict[str, dict[str, float]]:
+    """`limits` checked: {tensor regex or kind: {gateable metric: bound}}, every bound a number, not NaN, and
+    >= 0 where it bounds a magnitude (every metric but correlation, cosine, sqnr_db and the like)."""
+    if not isinstance(limits, Mapping):
+        raise ConfigurationError(
+            f"limits must be a dict {{tensor regex or kind: {{metric: bound}}}}, got {type(limits).__name__}"
+        )
+    checked: dict[str, dict[str, float]] = {}
+    for key, bounds in limits.items():
+        _check_key(key, "limits")
+        if not isinstance(bounds, Mapping) or not bounds:
+            raise ConfigurationError(
+                f"limits[{key!r}] must be a non-empty dict like {{'rms_rel': 0.05}}, got {bounds!r}"
+            )
+        validated_metrics([str(m) if not isinstance(m, str) else m for m in bounds])
+        checked[key] = {
+            metric: checked_number(
+                bound,
+                f"limits[{key!r}][{metric!r}]",
+                minimum=None if METRIC_DIRECTIONS[metric] == "higher" else 0.0,
+            )
+            for metric, bound in bounds.items()
+        }
+    return checked
+
+
+def _breaks_limit(metric: str, value: float, bound: float) -> bool:
+    """A maximum of the magnitude (|value|, |1 - slope|) or, for higher-is-better metrics, a minimum."""
+    if METRIC_DIRECTIONS[metric] == "higher":
+        return value < bound
+    return _magnitude(metric, value) > bound
+
+
+def check_limits(obtained: Mapping[str, Sequence[Record]], limits: object) -> list[Violation]:
     """Absolute limits that hold without a baseline: {tensor regex or kind: {metric: bound}}.
 
     A bound is a maximum for lower-is-better metrics (|value| for bias, |1 - slope| for slope) and a
-    minimum for correlation, cosine and sqnr_db.
+    minimum for correlation, cosine and sqnr_db; inf (a maximum) or -inf (a minimum) is no bound. A metric
+    undefined for a reason other than the reference (see undefined_by_reference) breaks its limit.
     """
     violations: list[Violation] = []
-    for key, bounds in limits.items():
-        _compile(key, "limits")
-        validated_metrics(bounds)
+    for key, bounds in validated_limits(limits).items():
         matched = False
         for variant, records in obtained.items():
             for record in records:
@@ -274,14 +460,10 @@ def check_limits(
                     continue
                 matched = True
                 for metric, bound in bounds.items():
-                    value = record.metric(metric)
-                    if value is None:
+                    value = defined_value(record, metric)
+                    if value is None and undefined_by_reference(record, metric):
                         continue
-                    if METRIC_DIRECTIONS[metric] == "higher":
-                        failed = value < bound
-                    else:
-                        failed = _magnitude(metric, value) > bound
-                    if failed or math.isnan(value):
+                    if value is None or _breaks_limit(metric, value, bound):
                         violations.append(
                             Violation(variant, record.name, record.kind, "limit", metric, None, value, bound)
                         )
