@@ -46,7 +46,7 @@ def stem_problem(stem: str) -> str | None:
     """Why `stem` cannot name a baseline file on Linux, macOS and Windows alike, or None when it can."""
     if not stem:
         return "it is empty"
-    if os.path.isabs(stem) or stem.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", stem):
+    if os.path.isabs(stem) or stem.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[/\\]", stem):
         return "it is an absolute path"
     if ".." in re.split(r"[/\\]", stem):
         return "it climbs out of the baseline folder with '..'"

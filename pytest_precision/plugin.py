@@ -29,6 +29,7 @@ from .session import (  # noqa: E402
     TABLES_KEY,
     PrecisionRunner,
     PrecisionSession,
+    is_folder,
     option,
 )
 
@@ -300,7 +301,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         workeroutput["precision"] = precision_session.export()
         return
     _record_test_outcomes(session, precision_session)
-    if (precision_session.update or precision_session.prune) and precision_session.baseline_dir.is_dir():
+    if (precision_session.update or precision_session.prune) and is_folder(precision_session.baseline_dir):
         from .baseline import remove_stale_temporaries
 
         remove_stale_temporaries(precision_session.baseline_dir, recursive=True)

@@ -58,12 +58,28 @@ def _report_dir(config: pytest.Config) -> Path | None:
         return None
     directory = Path(value)
     directory = directory if directory.is_absolute() else Path(config.invocation_params.dir) / directory
-    if directory.exists() and not directory.is_dir():
+    if _is_file(directory):
         raise pytest.UsageError(
             f"--precision-report (or ini precision_report) {value}: {directory} is a file, not a folder; "
             "name a folder for precision-report.json and summary.md"
         )
     return directory
+
+
+def _is_file(path: Path) -> bool:
+    """Whether something other than a folder is at `path` (a path the OS refuses to look at is not)."""
+    try:
+        return path.exists() and not path.is_dir()
+    except OSError:
+        return False
+
+
+def is_folder(path: Path) -> bool:
+    """Path.is_dir, False also where the OS refuses to look (a name too long)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def _truthy(value: Any) -> bool:
@@ -111,7 +127,7 @@ class PrecisionSession:
         directory = Path(option(config, OPTION_BASELINE_DIR) or "baselines")
         if not directory.is_absolute():
             directory = config.rootpath / directory
-        if directory.exists() and not directory.is_dir():
+        if _is_file(directory):
             raise pytest.UsageError(
                 f"--precision-baseline-dir (or ini precision_baseline_dir): {directory} is a file, not a folder"
             )
@@ -327,13 +343,14 @@ class PrecisionSession:
         BaselineError naming it and the OS error."""
         from . import baseline as baselines
 
-        if path.is_file() and baselines.numbers_unchanged(path, document):
-            return "unchanged"
-        outcome = "updated" if path.exists() else "written"
         try:
+            if path.is_file() and baselines.numbers_unchanged(path, document):
+                return "unchanged"
+            outcome = "updated" if path.exists() else "written"
             baselines.write_atomically(path, baselines.render(document))
         except OSError as error:
-            reason = f"{error.strerror or error}" + (f": {error.filename}" if error.filename else "")
+            where = error.filename2 or error.filename
+            reason = f"{error.strerror or error}" + (f": {where}" if where else "")
             raise BaselineError(
                 f"cannot write precision baseline {self._shown(path)} ({reason}); make its folder writable "
                 "and the path free for a file, or choose another folder with --precision-baseline-dir"
@@ -414,7 +431,7 @@ class PrecisionSession:
         its check owns every file recording its id; a file whose test lies in a module or folder that could
         not be fully collected (`protected`) is kept.
         """
-        if not self.baseline_dir.is_dir():
+        if not is_folder(self.baseline_dir):
             return []
         from .baseline import owned_document, parse_baseline_name
         from .environment import device_key
