@@ -50,8 +50,10 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     # --update-baselines is added after the initial conftests (pytest_load_initial_conftests), so that a
     # conftest or plugin defining it wins the name instead of failing with an argparse conflict; loaded
     # from a conftest's pytest_plugins, this plugin comes too late for that hook and adds it now.
-    if getattr(pluginmanager, "_conftest_plugins", None):
-        _add_update_alias(parser)
+    if getattr(pluginmanager, "_conftest_plugins", None) and not _add_update_alias(parser):
+        config = pluginmanager.get_plugin("pytestconfig")
+        if isinstance(config, pytest.Config):
+            config.stash[ALIAS_TAKEN_KEY] = True
     group.addoption(
         "--precision-update",
         action="store_true",

@@ -141,6 +141,24 @@ def test_files_of_tests_that_could_not_be_collected_are_not_stale(pytester, monk
     assert deselected.exists() and used.exists()
 
 
+def test_under_xdist_the_workers_tell_the_controller_what_they_could_not_collect(pytester, monkeypatch):
+    pytest.importorskip("xdist")
+    names = ("test_skipped_module", "test_importorskip", "test_ignored")
+    skipped = {name: MODULES_NOT_COLLECTED[name] for name in names}
+    used = written_project(pytester, monkeypatch, **skipped)
+    kept = [copy_for(used, baseline_file(pytester, name, "test_x"), f"{name}.py::test_x") for name in skipped]
+    orphan = copy_for(used, baseline_file(pytester, "test_two", "test_removed"), "test_two.py::test_removed")
+
+    result = run(pytester, "-n", "2", "--precision-prune", "--ignore=test_ignored.py")
+    result.assert_outcomes(passed=2, skipped=2)
+    assert stale_lines(result) == [
+        "precision stale baselines: 1 (deleted (--precision-prune)):",
+        "baselines/test_two/test_removed.cpu.json",
+    ]
+    assert not orphan.exists()
+    assert [path for path in kept if not path.exists()] == []
+
+
 def test_a_collection_error_in_a_folder_protects_the_whole_folder(pytester, monkeypatch):
     used = written_project(pytester, monkeypatch)
     pytester.mkpydir("pkg")
@@ -409,12 +427,16 @@ def test_name(precision, assert_precision_within, request):
 """
 
 
-@pytest.mark.parametrize("where", ["conftest", "plugin"])
+@pytest.mark.parametrize("where", ["conftest", "plugin", "conftest loading this plugin"])
 def test_update_baselines_defined_elsewhere_leaves_precision_update(pytester, monkeypatch, where):
     project(pytester, monkeypatch, test_gate=OWN_OPTION_TEST)
     args: tuple[str, ...] = ()
     if where == "conftest":
         pytester.makeconftest(CONFTEST_OPTION)
+    elif where == "conftest loading this plugin":
+        # Loaded by a conftest's pytest_plugins (not by its entry point), after the conftest's own option.
+        pytester.makeconftest(CONFTEST_OPTION + '\npytest_plugins = ["pytest_precision.plugin"]\n')
+        args = ("-p", "no:precision")
     else:
         pytester.makepyfile(otherplugin=OTHER_PLUGIN)
         monkeypatch.syspath_prepend(pytester.path)
@@ -434,6 +456,15 @@ def test_update_baselines_defined_elsewhere_leaves_precision_update(pytester, mo
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*project option: False", note, "precision baselines (update, baselines): 1 written"])
     assert baseline_file(pytester, "test_gate", "test_name").exists()
+
+
+def test_loaded_from_a_conftest_the_plugin_still_has_update_baselines(pytester, monkeypatch):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    pytester.makeconftest('pytest_plugins = ["pytest_precision.plugin"]\n')
+    result = run(pytester, "-p", "no:precision", "--update-baselines")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["precision baselines (update, baselines): 1 written"])
+    assert "precision note" not in output(result)
 
 
 def test_precision_update_is_the_same_as_update_baselines(pytester, monkeypatch):
