@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -203,26 +202,27 @@ def test_a_writer_between_the_data_and_the_rename_cannot_mix_documents(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test_y.cpu.json"]
 
 
-def _write_many(path: str, letter: str, count: int) -> None:
-    for i in range(count):
-        write_atomically(Path(path), f"{letter}{i % 10}" * 50_000 + "\n")
+#: A writer process: 60 whole documents of 100,001 characters, "A0A0...", "A1A1...", ... (or B).
+WRITER = """
+import sys
+from pathlib import Path
+from pytest_precision.baseline import write_atomically
+for i in range(60):
+    write_atomically(Path(sys.argv[1]), f"{sys.argv[2]}{i % 10}" * 50_000 + "\\n")
+"""
 
 
 def test_two_writer_processes_and_a_reader_see_only_whole_documents(tmp_path):
     path = tmp_path / "test_y.cpu.json"
     write_atomically(path, "A0" * 50_000 + "\n")
-    context = multiprocessing.get_context("fork" if sys.platform != "win32" else "spawn")
-    writers = [context.Process(target=_write_many, args=(str(path), letter, 60)) for letter in "AB"]
-    for writer in writers:
-        writer.start()
-    seen = set()
-    while any(writer.is_alive() for writer in writers):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), letter], env=env) for letter in "AB"]
+    reads = 0
+    while any(writer.poll() is None for writer in writers) or reads == 0:
         text = path.read_text()
         assert re.fullmatch(r"([AB]\d)\1{49999}\n", text), f"a torn read: {len(text)} characters"
-        seen.add(text[0])
-    for writer in writers:
-        writer.join()
-        assert writer.exitcode == 0
+        reads += 1
+    assert [writer.wait() for writer in writers] == [0, 0]
     assert re.fullmatch(r"([AB]\d)\1{49999}\n", path.read_text())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["test_y.cpu.json"]
 
