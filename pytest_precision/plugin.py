@@ -231,11 +231,15 @@ def _protect(config: pytest.Config, path: Path) -> None:
     session = config.stash.get(SESSION_KEY, None)
     if session is None:
         return
-    try:
-        relative = path.resolve().relative_to(config.rootpath.resolve()).as_posix()
-    except ValueError:
-        return  # outside rootdir: no test id there names a baseline under it
-    session.protected.add("" if relative == "." else relative)
+    # Node ids are relative to rootdir as paths are given (symlinks unresolved); try that first.
+    for inside, root in ((path, config.rootpath), (path.resolve(), config.rootpath.resolve())):
+        try:
+            relative = inside.relative_to(root).as_posix()
+        except ValueError:
+            continue
+        session.protected.add("" if relative == "." else relative)
+        return
+    # Outside rootdir: no test id of a baseline under it.
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
