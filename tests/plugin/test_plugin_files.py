@@ -351,6 +351,20 @@ def test_a_report_folder_that_is_a_file_is_a_usage_error(pytester, monkeypatch):
     )
 
 
+def test_a_baseline_folder_that_is_a_file_is_a_usage_error(pytester, monkeypatch):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    pytester.path.joinpath("baselines").write_text("a file\n")
+    result = run(pytester, "--update-baselines")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        [
+            "ERROR: --precision-baseline-dir (or ini precision_baseline_dir): "
+            f"{pytester.path / 'baselines'} is a file, not a folder"
+        ]
+    )
+    assert pytester.path.joinpath("baselines").read_text() == "a file\n"
+
+
 def test_a_report_that_cannot_be_written_fails_the_run_with_one_line(pytester, monkeypatch):
     project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
     run(pytester, "--update-baselines").assert_outcomes(passed=1)
