@@ -16,16 +16,19 @@ and the field.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
+import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import BaselineError
+from .errors import BaselineError, ConfigurationError
 from .metrics import METRIC_NAMES
 from .report import KINDS, PrecisionReport, Record
 
@@ -33,16 +36,106 @@ SCHEMA_VERSION = 1
 SIGNIFICANT_DIGITS = 6
 
 
+#: The longest baseline stem, in UTF-8 bytes. With the device key and ".json" (".cuda-sm120.json": 16 bytes) a
+#: file name stays far below the 255 bytes that ext4, APFS, NTFS and most others allow, and its temporary
+#: twin (see write_atomically) fits too.
+MAX_STEM_BYTES = 200
+#: Characters Windows refuses in a file name (macOS refuses ":" in Finder, every system "/").
+ILLEGAL_CHARACTERS = frozenset('<>:"/\\|?*')
+#: Names Windows reserves for devices, also with any extension ("nul.cpu.json"), in any case.
+RESERVED_NAMES = frozenset(
+    ["CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))]
+)
+#: The device keys of baseline file names (environment.device_key): "cpu" or "cuda-sm<major><minor>".
+DEVICE_KEY_PATTERN = r"cpu|cuda-sm\d+"
+_BASELINE_NAME = re.compile(rf"^(?P<stem>[^.].*)\.(?P<device>{DEVICE_KEY_PATTERN})\.json$")
+
+
+def stem_problem(stem: str) -> str | None:
+    """Why `stem` cannot name a baseline file on Linux, macOS and Windows alike, or None when it can."""
+    if not stem:
+        return "it is empty"
+    if os.path.isabs(stem) or stem.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:[/\\]", stem):
+        return "it is an absolute path"
+    if ".." in re.split(r"[/\\]", stem):
+        return "it climbs out of the baseline folder with '..'"
+    if "/" in stem or "\\" in stem:
+        return "it holds a path separator ('/' or '\\'); subfolders are not supported"
+    illegal = sorted({c for c in stem if c in ILLEGAL_CHARACTERS or ord(c) < 32 or ord(c) == 127})
+    if illegal:
+        return f"it holds {', '.join(repr(c) for c in illegal)}, not allowed in a file name on every system"
+    if stem.startswith("."):
+        return "it starts with '.' (a hidden file)"
+    if stem.endswith((".", " ")):
+        return "it ends with a dot or a space (Windows drops those)"
+    if stem.split(".", 1)[0].strip().upper() in RESERVED_NAMES:
+        return f"{stem.split('.', 1)[0]!r} is a device name Windows reserves"
+    size = len(stem.encode("utf-8", "surrogatepass"))
+    if size > MAX_STEM_BYTES:
+        return f"it is {size} bytes long in UTF-8, more than the {MAX_STEM_BYTES} that fit every filesystem"
+    return None
+
+
+def checked_stem(stem: object, argument: str = "baseline") -> str:
+    """`stem` when it can name a baseline file everywhere; else a ConfigurationError naming `argument`."""
+    if not isinstance(stem, str):
+        raise ConfigurationError(f"{argument}= must be a string (a file name stem), got {type(stem).__name__}")
+    problem = stem_problem(stem)
+    if problem is not None:
+        shown = stem if len(stem) <= 80 else f"{stem[:60]}...{stem[-10:]}"
+        raise ConfigurationError(
+            f"{argument}={shown!r} cannot name a baseline file: {problem}. Give a plain file name stem such as "
+            f"{argument}='llama_bf16' (letters, digits, '_', '-' and '.'; at most {MAX_STEM_BYTES} bytes); the "
+            "file is <baseline dir>/<test file>/<stem>.<device>.json"
+        )
+    return stem
+
+
 def baseline_stem(nodeid: str) -> str:
-    """The file-name stem of a test: its name with class and parameters, sanitised."""
+    """The file-name stem of a test: its name with class and parameters, sanitised.
+
+    Characters other than letters, digits, '_', '.' and '-' become '_'. A stem starting with a name Windows
+    reserves ("Aux.test_x") gets a '_' after it; one longer than MAX_STEM_BYTES (long parameters) is cut and
+    ends with '-' and 12 hex digits of the SHA-256 of the test name, so it stays unique and stable.
+    """
     name = nodeid.split("::", 1)[1] if "::" in nodeid else nodeid
-    return re.sub(r"[^A-Za-z0-9_.\-]+", "_", name.replace("::", ".")).strip("_")
+    stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", name.replace("::", ".")).strip("_").rstrip(".")
+    base, dot, rest = stem.partition(".")
+    if base.upper() in RESERVED_NAMES:
+        stem = f"{base}_{dot}{rest}"
+    if len(stem) > MAX_STEM_BYTES:  # ASCII only: characters are bytes
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        stem = f"{stem[: MAX_STEM_BYTES - len(digest) - 1].rstrip('.')}-{digest}"
+    return stem or "test"
 
 
 def baseline_path(directory: Path, test_file: str, stem: str, device_key: str) -> Path:
     """<dir>/<test file relative to rootdir, without .py>/<stem>.<device key>.json"""
     relative = Path(test_file).with_suffix("")
     return directory / relative / f"{stem}.{device_key}.json"
+
+
+def parse_baseline_name(name: str) -> tuple[str, str] | None:
+    """(stem, device key) of a file name of the form <stem>.<device key>.json; None for any other name."""
+    match = _BASELINE_NAME.match(name)
+    return (match["stem"], match["device"]) if match else None
+
+
+def owned_document(path: Path) -> dict[str, Any] | None:
+    """The content of `path` when the plugin wrote it: a baseline file name, and a JSON object of this
+    schema version whose "test" is a test id. None for anything else (never pruned, never stale)."""
+    if path.is_symlink() or not path.is_file() or parse_baseline_name(path.name) is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        return None
+    test = data.get("test")
+    if not isinstance(test, str) or "::" not in test or not isinstance(data.get("variants"), dict):
+        return None
+    return data
 
 
 #: Keys whose float values are written exactly, never rounded: fp16 loss scales are powers of two that a
@@ -324,10 +417,70 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "a number" if isinstance(value, float) else type(value).__name__)
 
 
+#: Temporary files of write_atomically end with this; `*.precision-tmp` in .gitignore keeps leftovers of an
+#: interrupted write out of commits, and later writes remove them (remove_stale_temporaries).
+TEMPORARY_SUFFIX = ".precision-tmp"
+#: A temporary file older than this is a leftover even when a process of its writer's pid lives: a write
+#: takes milliseconds, and pids are reused.
+STALE_TEMPORARY_SECONDS = 600.0
+#: A leftover of a dead writer is removed only after this grace, so that a writer on another machine
+#: sharing the folder (whose pid means nothing here) can finish its write.
+DEAD_WRITER_GRACE_SECONDS = 10.0
+_TEMPORARY = re.compile(rf"^\..*\.(?P<pid>\d+)\.[A-Za-z0-9_]+{re.escape(TEMPORARY_SUFFIX)}$")
+
+
+def _process_alive(pid: int) -> bool:
+    if sys.platform == "win32":
+        return True  # os.kill(pid, 0) would terminate it there: rely on the age alone
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_temporaries(directory: Path, *, recursive: bool = False) -> list[Path]:
+    """Delete the leftovers of interrupted writes in `directory`: files named like write_atomically's
+    temporary files whose writer process is gone, or that are older than STALE_TEMPORARY_SECONDS. Those of a
+    writer still at work are kept. Returns the deleted paths."""
+    candidates = directory.rglob(f"*{TEMPORARY_SUFFIX}") if recursive else directory.glob(f"*{TEMPORARY_SUFFIX}")
+    now = time.time()
+    removed = []
+    try:
+        for path in sorted(candidates):
+            match = _TEMPORARY.match(path.name)
+            if match is None or path.is_symlink() or not path.is_file():
+                continue
+            age = now - path.stat().st_mtime
+            dead = age > DEAD_WRITER_GRACE_SECONDS and not _process_alive(int(match["pid"]))
+            if dead or age > STALE_TEMPORARY_SECONDS:
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    except OSError:
+        pass  # an unreadable folder or a file removed meanwhile: the next write tries again
+    return removed
+
+
+def _temporary_prefix(name: str) -> str:
+    """ "." + the target's name (cut to 100 bytes, so the temporary name fits where the target fits) + pid."""
+    short = name.encode("utf-8", "surrogatepass")[:100].decode("utf-8", "ignore")
+    return f".{short}.{os.getpid()}."
+
+
 def write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and os.replace: never half-written, even in parallel."""
+    """Write via a temporary file in the same folder and os.replace: a reader sees the old or the new
+    content, never a part, and of two writers one complete document wins, also across processes.
+
+    The temporary file is .<name>.<pid>.<random>.precision-tmp; leftovers of interrupted writes in the folder
+    are removed first (remove_stale_temporaries).
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path.parent)
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=_temporary_prefix(path.name), suffix=TEMPORARY_SUFFIX, dir=path.parent
+    )
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             handle.write(text)

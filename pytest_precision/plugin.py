@@ -25,11 +25,13 @@ from .session import (  # noqa: E402
     OPTION_RTOL,
     OPTION_STRICT,
     OPTION_TABLES,
+    OPTION_UPDATE,
     SESSION_KEY,
     TABLES_KEY,
     PrecisionRunner,
     PrecisionSession,
     PrecisionUnassertedWarning,
+    is_folder,
     option,
     unasserted_run,
 )
@@ -37,17 +39,30 @@ from .session import (  # noqa: E402
 GPU_MARKER = "precision_gpu"
 STALE_KEY = pytest.StashKey[list[Path]]()
 REPORT_PATH_KEY = pytest.StashKey[Path | None]()
+#: Set when another plugin or a conftest defines --update-baselines: this plugin then answers to
+#: --precision-update only.
+ALIAS_TAKEN_KEY = pytest.StashKey[bool]()
 TABLES_SECTION = "precision tables"
+GROUP = "precision"
+UPDATE_ALIAS = "--update-baselines"
+UPDATE_HELP = "write precision baselines instead of comparing against them (no ini twin, on purpose)"
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("precision", "numerical precision gates (pytest-precision)")
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    group = parser.getgroup(GROUP, "numerical precision gates (pytest-precision)")
+    # --update-baselines is added after the initial conftests (pytest_load_initial_conftests), so that a
+    # conftest or plugin defining it wins the name instead of failing with an argparse conflict; loaded
+    # from a conftest's pytest_plugins, this plugin comes too late for that hook and adds it now.
+    if getattr(pluginmanager, "_conftest_plugins", None) and not _add_update_alias(parser):
+        config = pluginmanager.get_plugin("pytestconfig")
+        if isinstance(config, pytest.Config):
+            config.stash[ALIAS_TAKEN_KEY] = True
     group.addoption(
-        "--update-baselines",
+        "--precision-update",
         action="store_true",
         default=False,
-        dest="update_baselines",
-        help="write precision baselines instead of comparing against them (no ini twin, on purpose)",
+        dest=OPTION_UPDATE,
+        help=f"like {UPDATE_ALIAS}, always available (when another plugin or conftest owns {UPDATE_ALIAS})",
     )
     group.addoption(
         "--precision-gpu",
@@ -102,12 +117,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(OPTION_TABLES, "like --precision-tables", type="bool", default=False)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser) -> Generator[None, Any, Any]:
+    try:
+        return (yield)
+    finally:
+        if not _add_update_alias(parser):
+            early_config.stash[ALIAS_TAKEN_KEY] = True
+
+
+def _add_update_alias(parser: pytest.Parser) -> bool:
+    """Add --update-baselines (first in this plugin's help group) unless it is taken; whether it was added."""
+    taken = {name for group in parser._groups for argument in group.options for name in argument.names()}
+    if UPDATE_ALIAS in taken:
+        return False
+    group = parser.getgroup(GROUP)
+    group.addoption(UPDATE_ALIAS, action="store_true", default=False, dest=OPTION_UPDATE, help=UPDATE_HELP)
+    # Shown first in --help, where it always was (argparse keeps the order of its own list).
+    group.options.insert(0, group.options.pop())
+    actions = group._arggroup._group_actions
+    actions.insert(0, actions.pop())
+    return True
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "precision(rtol=None, atol=None): tolerances of this test's precision gate")
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
     if config.getoption("precision_gpu") is None:
         config.option.precision_gpu = bool(config.getini("precision_gpu"))
     session = PrecisionSession.from_config(config)
+    if config.stash.get(ALIAS_TAKEN_KEY, False):
+        session.notes.append(
+            f"{UPDATE_ALIAS} belongs to another plugin or conftest here and keeps its meaning there; "
+            "write precision baselines with --precision-update"
+        )
     if session.update and session.strict:
         raise pytest.UsageError(
             "--update-baselines and --precision-strict (or ini precision_strict) contradict each other: "
@@ -164,6 +207,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker(GPU_MARKER) is not None:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Generator[None, Any, Any]:
+    ignored = yield
+    if ignored:
+        # --ignore, --ignore-glob, collect_ignore, another plugin: tests there may exist; keep their files.
+        _protect(config, collection_path)
+    return ignored
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, Any, Any]:
+    report = yield
+    if report.outcome != "passed":
+        # A collection error or a module-level skip (importorskip, skip(allow_module_level=True)): its
+        # tests are unknown this run, so their baselines are not stale.
+        session = collector.config.stash.get(SESSION_KEY, None)
+        if session is not None:
+            session.protected.add(report.nodeid)
+    return report
+
+
+def _protect(config: pytest.Config, path: Path) -> None:
+    session = config.stash.get(SESSION_KEY, None)
+    if session is None:
+        return
+    # Node ids are relative to rootdir as paths are given (symlinks unresolved); try that first.
+    for inside, root in ((path, config.rootpath), (path.resolve(), config.rootpath.resolve())):
+        try:
+            relative = inside.relative_to(root).as_posix()
+        except ValueError:
+            continue
+        session.protected.add("" if relative == "." else relative)
+        return
+    # Outside rootdir: no test id of a baseline under it.
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -243,13 +322,27 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         workeroutput["precision"] = precision_session.export()
         return
     _record_test_outcomes(session, precision_session)
+    if (precision_session.update or precision_session.prune) and is_folder(precision_session.baseline_dir):
+        from .baseline import remove_stale_temporaries
+
+        remove_stale_temporaries(precision_session.baseline_dir, recursive=True)
     if not is_partial_run(session, exitstatus):
         stale = precision_session.stale_baselines()
         if precision_session.prune:
             for path in stale:
-                path.unlink(missing_ok=True)
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as error:
+                    precision_session.errors.append(f"--precision-prune could not delete {path}: {error}")
         config.stash[STALE_KEY] = stale
-    config.stash[REPORT_PATH_KEY] = precision_session.write_report()
+    try:
+        config.stash[REPORT_PATH_KEY] = precision_session.write_report()
+    except OSError as error:
+        config.stash[REPORT_PATH_KEY] = None
+        precision_session.errors.append(f"precision report not written to {precision_session.report_dir}: {error}")
+    if precision_session.errors and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        # The tests passed, but what the run promised (one owner per file, a report) did not hold.
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def _record_test_outcomes(session: pytest.Session, precision_session: PrecisionSession) -> None:
@@ -271,7 +364,9 @@ def is_partial_run(session: pytest.Session, exitstatus: int) -> bool:
         return True
     if session.shouldstop or session.shouldfail:
         return True
-    narrowing = ("keyword", "markexpr", "lf", "deselect", "stepwise", "stepwise_skip")
+    # --deselect, --ignore, collection errors and module-level skips are handled per path (see
+    # PrecisionSession.protected and pytest_deselected); these narrow the run as a whole.
+    narrowing = ("keyword", "markexpr", "lf", "stepwise", "stepwise_skip")
     if any(getattr(options, name, None) for name in narrowing):
         return True
     if config.args_source != pytest.Config.ArgsSource.ARGS:

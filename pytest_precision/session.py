@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .errors import ConfigurationError, PrecisionError
+from .errors import BaselineError, ConfigurationError, PrecisionError
 
 if TYPE_CHECKING:
     from .references import Reference, ReferenceCache
@@ -27,6 +27,9 @@ OPTION_TABLES = "precision_tables"
 OPTION_STRICT = "precision_strict"
 OPTION_PRUNE = "precision_prune"
 OPTION_REPORT = "precision_report"
+#: dest of --precision-update and --update-baselines (not "update_baselines": a conftest or plugin that
+#: defines its own --update-baselines gets that dest by default, and must not switch this plugin's mode).
+OPTION_UPDATE = "precision_update"
 #: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
 DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability")
 
@@ -79,7 +82,29 @@ def _report_dir(config: pytest.Config) -> Path | None:
     if not value:
         return None
     directory = Path(value)
-    return directory if directory.is_absolute() else Path(config.invocation_params.dir) / directory
+    directory = directory if directory.is_absolute() else Path(config.invocation_params.dir) / directory
+    if _is_file(directory):
+        raise pytest.UsageError(
+            f"--precision-report (or ini precision_report) {value}: {directory} is a file, not a folder; "
+            "name a folder for precision-report.json and summary.md"
+        )
+    return directory
+
+
+def _is_file(path: Path) -> bool:
+    """Whether something other than a folder is at `path` (a path the OS refuses to look at is not)."""
+    try:
+        return path.exists() and not path.is_dir()
+    except OSError:
+        return False
+
+
+def is_folder(path: Path) -> bool:
+    """Path.is_dir, False also where the OS refuses to look (a name too long)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return False
 
 
 def _truthy(value: Any) -> bool:
@@ -112,6 +137,14 @@ class PrecisionSession:
     checked: set[str] = field(default_factory=set)
     collected: set[str] = field(default_factory=set)
     tests: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Test-id prefixes (module, folder or "" for all) whose tests may not all have been collected: a
+    #: collection error, a module-level skip, an ignored path. Their baselines are never stale.
+    protected: set[str] = field(default_factory=set)
+    #: Problems found after the tests ran (two tests sharing a file across workers, a report that could not
+    #: be written): shown in the terminal summary, and they fail the run.
+    errors: list[str] = field(default_factory=list)
+    #: One-line notes for the terminal summary (e.g. --update-baselines owned by another plugin).
+    notes: list[str] = field(default_factory=list)
     plots_skipped: bool = False
 
     @classmethod
@@ -119,10 +152,14 @@ class PrecisionSession:
         directory = Path(option(config, OPTION_BASELINE_DIR) or "baselines")
         if not directory.is_absolute():
             directory = config.rootpath / directory
+        if _is_file(directory):
+            raise pytest.UsageError(
+                f"--precision-baseline-dir (or ini precision_baseline_dir): {directory} is a file, not a folder"
+            )
         return cls(
             rootpath=config.rootpath,
             baseline_dir=directory,
-            update=bool(config.getoption("update_baselines")),
+            update=bool(config.getoption(OPTION_UPDATE)),
             gpu=bool(config.getoption("precision_gpu")),
             show_tables=_truthy(option(config, OPTION_TABLES)),
             rtol=_float_option(config, OPTION_RTOL),
@@ -142,6 +179,8 @@ class PrecisionSession:
             "used_paths": sorted(self.used_paths),
             "checked": sorted(self.checked),
             "collected": sorted(self.collected),
+            "protected": sorted(self.protected),
+            "path_owners": {os.fspath(path): nodeid for path, nodeid in self.path_owners.items()},
             "tests": self.tests,
         }
 
@@ -153,6 +192,14 @@ class PrecisionSession:
         self.used_paths.update(data.get("used_paths", []))
         self.checked.update(data.get("checked", []))
         self.collected.update(data.get("collected", []))
+        self.protected.update(data.get("protected", []))
+        for path, nodeid in data.get("path_owners", {}).items():
+            owner = self.path_owners.setdefault(Path(path), nodeid)
+            if owner != nodeid:
+                self.errors.append(
+                    f"{owner} and {nodeid} (on different xdist workers) share the baseline file "
+                    f"{self._shown(Path(path))}; give one of them its own baseline='...'"
+                )
         for nodeid, entry in data.get("tests", {}).items():
             self.tests.setdefault(nodeid, {}).update(entry)
 
@@ -206,7 +253,15 @@ class PrecisionSession:
             validated_metrics,
         )
 
-        stem = baseline or baselines.baseline_stem(item.nodeid)
+        if baseline is not None:
+            stem = baselines.checked_stem(baseline)
+        else:
+            stem = baselines.baseline_stem(item.nodeid)
+            if baselines.stem_problem(stem) is not None:  # baseline_stem avoids these; a last guard
+                raise ConfigurationError(
+                    f"{item.nodeid} makes the baseline name {stem!r}: {baselines.stem_problem(stem)}; "
+                    "pass baseline='...' to assert_precision_within"
+                )
         used = item.stash.setdefault(STEMS_KEY, set())
         if stem in used:
             raise ConfigurationError(
@@ -311,15 +366,24 @@ class PrecisionSession:
         except PrecisionError:
             return {}  # a corrupt file (a loss scale that is no power of two, ...): the gate fails on it
 
-    @staticmethod
-    def _write(path: Path, document: dict[str, Any]) -> str:
-        """Write the baseline unless its numbers did not move; the outcome: written, updated or unchanged."""
+    def _write(self, path: Path, document: dict[str, Any]) -> str:
+        """Write the baseline unless its numbers did not move; the outcome: written, updated or unchanged.
+        A file that cannot be written (read-only folder, a folder in its place, a name too long) is a
+        BaselineError naming it and the OS error."""
         from . import baseline as baselines
 
-        if path.exists() and baselines.numbers_unchanged(path, document):
-            return "unchanged"
-        outcome = "updated" if path.exists() else "written"
-        baselines.write_atomically(path, baselines.render(document))
+        try:
+            if path.is_file() and baselines.numbers_unchanged(path, document):
+                return "unchanged"
+            outcome = "updated" if path.exists() else "written"
+            baselines.write_atomically(path, baselines.render(document))
+        except OSError as error:
+            where = error.filename2 or error.filename
+            reason = f"{error.strerror or error}" + (f": {where}" if where else "")
+            raise BaselineError(
+                f"cannot write precision baseline {self._shown(path)} ({reason}); make its folder writable "
+                "and the path free for a file, or choose another folder with --precision-baseline-dir"
+            ) from None
         return outcome
 
     @staticmethod
@@ -369,7 +433,7 @@ class PrecisionSession:
         """The terminal summary: outcome counts, then improvements, environment warnings and stale files."""
         order = ("written", "updated", "unchanged", "passed", "failed", "missing")
         parts = [f"{self.outcomes[k]} {k}" for k in order if self.outcomes[k]]
-        lines = []
+        lines = [f"precision note: {note}" for note in self.notes]
         if parts:
             mode = "update" if self.update else "compare"
             lines.append(f"precision baselines ({mode}, {self._shown(self.baseline_dir)}): {', '.join(parts)}")
@@ -386,16 +450,21 @@ class PrecisionSession:
             action = "deleted (--precision-prune)" if self.prune else "no test uses them; delete with --precision-prune"
             lines.append(f"precision stale baselines: {len(stale)} ({action}):")
             lines += [f"  {self._shown(path)}" for path in stale]
+        lines += [f"precision error: {error}" for error in self.errors]
         return lines
 
     def stale_baselines(self) -> list[Path]:
         """Baseline files no collected test owns, after a full run.
 
-        A test that ran its check owns the files it used (and those for other devices); a test that was
-        collected but skipped, deselected or stopped before its check owns every file recording its id.
+        Only the plugin's own files count (baselines.owned_document: its name pattern, its schema and a test
+        id); anything else in the folder is never stale. A test that ran its check owns the files it used
+        (and those for other devices); a test that was collected but skipped, deselected or stopped before
+        its check owns every file recording its id; a file whose test lies in a module or folder that could
+        not be fully collected (`protected`) is kept.
         """
-        if not self.baseline_dir.is_dir():
+        if not is_folder(self.baseline_dir):
             return []
+        from .baseline import owned_document, parse_baseline_name
         from .environment import device_key
 
         current_device = device_key(self.device)
@@ -403,15 +472,25 @@ class PrecisionSession:
         for path in sorted(self.baseline_dir.rglob("*.json")):
             if str(path) in self.used_paths:
                 continue
-            try:
-                test = json.loads(path.read_text(encoding="utf-8")).get("test")
-            except (OSError, ValueError, AttributeError):
-                continue  # unreadable: its own test reports it
-            file_device = path.name.rsplit(".", 2)[-2] if path.name.count(".") >= 2 else None
+            data = owned_document(path)
+            if data is None:
+                continue  # not the plugin's file (or unreadable: its own test reports it)
+            test = data["test"]
+            name = parse_baseline_name(path.name)
+            file_device = name[1] if name else None
             if test in self.collected and (test not in self.checked or file_device != current_device):
+                continue
+            if self.is_protected(test):
                 continue
             stale.append(path)
         return stale
+
+    def is_protected(self, test: str) -> bool:
+        """Whether `test` lies in a module or folder this run could not fully collect."""
+        return any(
+            prefix == "" or test == prefix or test.startswith((f"{prefix}::", f"{prefix}/"))
+            for prefix in self.protected
+        )
 
     def write_report(self) -> Path | None:
         """The session report: one JSON file with every precision test's outcome and records."""
@@ -479,6 +558,17 @@ class PrecisionRunner:
             cache = stash[REFERENCE_CACHE_KEY] = ReferenceCache()
         return cache
 
+    @staticmethod
+    def _fail_on_bad_stem(baseline: object) -> None:
+        __tracebackhide__ = True
+        from .baseline import checked_stem
+
+        try:
+            checked_stem(baseline)
+        except ConfigurationError as error:
+            message = f"ConfigurationError: {error}"
+        pytest.fail(message, pytrace=False)
+
     def reference(self, model: Any, inputs: Any, **reference_kwargs: Any) -> Reference:
         """`pytest_precision.reference` on the session's device, memoized in the session's cache."""
         __tracebackhide__ = True
@@ -510,9 +600,12 @@ class PrecisionRunner:
         stem when the test passes one to assert_precision_within too.
         """
         __tracebackhide__ = True
+        from .baseline import stem_problem
         from .comparison import compare
         from .references import Reference
 
+        if baseline is not None and (not isinstance(baseline, str) or stem_problem(baseline) is not None):
+            self._fail_on_bad_stem(baseline)
         if isinstance(model, Reference):
             device = str(compare_kwargs.get("device") or model.device)
         else:

@@ -227,15 +227,22 @@ def markdown_summary(
 
 
 def write_summary(directory: Path, text: str) -> Path:
-    """Write DIR/summary.md atomically and append `text` to $GITHUB_STEP_SUMMARY when that is set."""
+    """Write DIR/summary.md atomically and append `text` to $GITHUB_STEP_SUMMARY when that is set.
+
+    An OSError names the file; one from $GITHUB_STEP_SUMMARY says so (summary.md is written by then)."""
     path = Path(directory) / SUMMARY_FILE
     if not text.endswith("\n"):
         text += "\n"
     write_atomically(path, text)
     step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if step_summary:
-        with open(step_summary, "a", encoding="utf-8") as handle:
-            handle.write(text + "\n")
+        try:
+            with open(step_summary, "a", encoding="utf-8") as handle:
+                handle.write(text + "\n")
+        except OSError as error:
+            raise OSError(
+                error.errno, f"cannot append the summary to GITHUB_STEP_SUMMARY ({error.strerror})", step_summary
+            ) from None
     return path
 
 
