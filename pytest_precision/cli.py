@@ -65,11 +65,14 @@ def _restored_records(variants: Any) -> Any:
         records = entry["records"]
         if not isinstance(records, list):
             raise TypeError(f"variant {name!r}: 'records' is a JSON {type(records).__name__}, not a list")
-        restored[name] = {**entry, "records": [{k: _INFINITIES.get(v, v) for k, v in r.items()} for r in records]}
+        restored[name] = {**entry, "records": [{k: _restored(v) for k, v in r.items()} for r in records]}
     return restored
 
 
-_INFINITIES = {"inf": math.inf, "-inf": -math.inf}
+def _restored(value: Any) -> Any:
+    return {"inf": math.inf, "-inf": -math.inf}.get(value, value) if isinstance(value, str) else value
+
+
 #: Record fields that are not metrics (checked apart).
 _NOT_METRICS = {"name", "kind", "shape", "count", "nonfinite"}
 
@@ -81,6 +84,14 @@ def _check_report(report: Any, label: str) -> None:
     from .report import Record
 
     metric_fields = [f.name for f in dataclasses.fields(Record) if f.name not in _NOT_METRICS]
+    for run_name, run in [("reference", report.reference), *report.runs.items()]:
+        for name in ("variant", "parameter_dtypes", "buffer_dtypes", "input_shapes", "backend"):
+            if not isinstance(getattr(run, name), dict):
+                raise TypeError(f"test {label}, {run_name} run: {name} is not an object")
+        for name in ("loss_scale", "token_count"):
+            value = getattr(run, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise TypeError(f"test {label}, {run_name} run: {name} is {value!r}, not a number or null")
     for variant in report.variants:
         for record in report.records(variant):
             where = f"test {label}, variant {variant!r}, tensor {record.name!r} ({record.kind})"
