@@ -181,7 +181,10 @@ def _diff(arguments: argparse.Namespace) -> int:
         got_worse = {row for row in rows if _worse(row, tolerance)}
         lost = lost_checks(old, new, metrics)
         failed += len(got_worse) + len(lost)
-        print(f"== {label}: {len(got_worse)} of {len(rows)} tensor metrics worse beyond rtol {arguments.rtol}")
+        lost_note = f"; {len(lost)} check{'s' if len(lost) > 1 else ''} lost or newly non-finite" if lost else ""
+        print(
+            f"== {label}: {len(got_worse)} of {len(rows)} tensor metrics worse beyond rtol {arguments.rtol}{lost_note}"
+        )
         for line in lost:
             print(f"  {line}")
         only_new = [v for v in new.variants if v not in old.variants]

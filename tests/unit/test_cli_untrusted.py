@@ -384,7 +384,9 @@ def test_diff_fails_when_new_drops_a_variant(capsys: pytest.CaptureFixture[str],
     del data["variants"]["fp16"]
     data["variant_order"].remove("fp16")
     code, lines = diff_against(capsys, tmp_path, data)
-    assert code == 1 and lines[1] == "  dropped variant fp16"
+    assert code == 1
+    assert lines[0].endswith(": 0 of 165 tensor metrics worse beyond rtol 0.1; 1 check lost or newly non-finite")
+    assert lines[1] == "  dropped variant fp16"
 
 
 def test_diff_fails_when_new_drops_a_tensor(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
