@@ -130,8 +130,8 @@ def lost_checks(old: PrecisionReport, new: PrecisionReport, metrics: Sequence[st
 
 
 def _pairs(old_path: Path, new_path: Path) -> list[tuple[str, PrecisionReport | None, PrecisionReport | None]]:
-    """(label, old report or None, new report) per test of NEW: by test id, or the only one against the only
-    one. A single baseline against several tests pairs with its own test id, or refuses."""
+    """(label, old report, new report) per test, paired by test id (None: not in that file); the only test of
+    each file pair up whatever their ids. A single test against several pairs with its own id, or refuses."""
     old_reports, new_reports = reports_in(old_path), reports_in(new_path)
     for path, reports in ((old_path, old_reports), (new_path, new_reports)):
         if not reports:
