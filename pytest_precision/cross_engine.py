@@ -170,6 +170,10 @@ def _as_tensor(value: object, argument: str) -> torch.Tensor:
             raise ConfigurationError(
                 f"{argument} ({shown}) is a NumPy array of dtype {content.dtype}; pass real numbers"
             )
+        if not content.dtype.isnative:
+            # A big-endian file (numpy.save of a '>f4' array, written on or for another machine): torch reads
+            # only native byte order, so convert the values rather than refuse them.
+            content = content.astype(content.dtype.newbyteorder("="))
         return torch.from_numpy(np.ascontiguousarray(content))
     if isinstance(content, torch.Tensor):
         if content.is_complex():
@@ -187,6 +191,11 @@ def _load(value: object, argument: str) -> tuple[torch.Tensor, str]:
 
     tensor = _as_tensor(value, argument)
     shown = _describe(value)
+    if not tensor.is_floating_point():
+        raise ConfigurationError(
+            f"{argument} ({shown}) holds {str(tensor.dtype).removeprefix('torch.')} values, not log-probabilities; "
+            "pass floating-point log-probabilities (float32 or float64)"
+        )
     if tensor.dim() not in (1, 2):
         raise ConfigurationError(
             f"{argument} ({shown}) has shape {tuple(tensor.shape)}; pass per-token log-probabilities of shape "

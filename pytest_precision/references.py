@@ -120,24 +120,22 @@ class Reference:
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors."""
+        """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors.
+
+        An input tensor given twice (the README's {"input_ids": ids, "labels": ids}) is written once and named
+        twice; any other tensors sharing storage are written as copies (safetensors refuses shared storage).
+        """
         from safetensors.torch import save_file
 
         tensors: dict[str, torch.Tensor] = {}
         order = []
-        storages: set[int] = set()
         for (name, kind), tensor in self.stored.items():
-            key = f"{kind}/{name}"
             order.append([name, kind])
-            saved = tensor.detach().cpu().contiguous()
-            # Kept tensors may share storage (the head's output is the logits); safetensors refuses that.
-            if saved.untyped_storage().data_ptr() in storages:
-                saved = saved.clone()
-            storages.add(saved.untyped_storage().data_ptr())
-            tensors[key] = saved
+            tensors[f"{kind}/{name}"] = tensor.detach().cpu().contiguous()
+        written: dict[Hashable, str] = {}
         inputs = {
-            "args": [_save_input(tensors, f"args/{i}", v) for i, v in enumerate(self.batch.args)],
-            "kwargs": {k: _save_input(tensors, f"kwargs/{k}", v) for k, v in self.batch.kwargs.items()},
+            "args": [_save_input(tensors, f"args/{i}", v, written) for i, v in enumerate(self.batch.args)],
+            "kwargs": {k: _save_input(tensors, f"kwargs/{k}", v, written) for k, v in self.batch.kwargs.items()},
         }
         metadata = {
             "format": FORMAT_VERSION,
@@ -154,7 +152,7 @@ class Reference:
             "order": order,
             "inputs": inputs,
         }
-        save_file(tensors, os.fspath(path), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        save_file(_unshared(tensors), os.fspath(path), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
 
     @classmethod
     def load(
@@ -167,57 +165,81 @@ class Reference:
     ) -> Reference:
         """A Reference saved by `save`. Comparing variants against it needs `model` (the same model or a
         factory building it) and, when the reference ran with a custom loss_fn, that `loss_fn` again.
-        The tensors stay on the host and move to `device` (default: the saved one) one at a time."""
+        The tensors stay on the host and move to `device` (default: the saved one) one at a time.
+
+        A file that is not a whole Reference file (truncated, tampered, of another writer) is a
+        ConfigurationError naming it, never a raw safetensors or JSON error."""
         import torch
         from safetensors import safe_open
 
+        shown = os.fspath(path)
+        incomplete = f"Reference.load({shown!r}): not a complete Reference file written by Reference.save"
+        fix = "re-create it with Reference.save"
         try:
-            with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:
+            with safe_open(shown, framework="pt", device="cpu") as handle:
                 raw = (handle.metadata() or {}).get(METADATA_KEY)
                 tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-        except (OSError, ValueError, RuntimeError) as error:
-            raise ConfigurationError(f"Reference.load({os.fspath(path)!r}): cannot read it: {error}") from error
+        except FileNotFoundError as error:
+            raise ConfigurationError(f"Reference.load({shown!r}): cannot read it: {error}") from error
+        except Exception as error:  # safetensors' SafetensorError is none of OSError, ValueError, RuntimeError
+            raise ConfigurationError(f"{incomplete} ({type(error).__name__}: {error}); {fix}") from error
         if raw is None:
+            raise ConfigurationError(f"{incomplete} (no {METADATA_KEY} metadata); {fix}")
+        try:
+            meta = json.loads(raw)
+            if not isinstance(meta, dict):
+                raise TypeError(f"its metadata is a JSON {type(meta).__name__}, not an object")
+            version = meta.get("format")
+            fields = _loaded_fields(meta, tensors) if version == FORMAT_VERSION else None
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError, RecursionError) as error:
+            # ConfigurationError (a bad variant spec) is a ValueError too.
+            problem = f"missing {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+            raise ConfigurationError(f"{incomplete} ({problem}); {fix}") from None
+        if fields is None:
             raise ConfigurationError(
-                f"Reference.load({os.fspath(path)!r}): no {METADATA_KEY} metadata; not written by Reference.save"
+                f"Reference.load({shown!r}): unknown format {version!r} (this pytest-precision reads format "
+                f"{FORMAT_VERSION}); {fix}"
             )
-        meta = json.loads(raw)
-        if meta.get("format") != FORMAT_VERSION:
-            raise ConfigurationError(f"Reference.load({os.fspath(path)!r}): unknown format {meta.get('format')!r}")
-        stored = {(name, kind): tensors[f"{kind}/{name}"] for name, kind in meta["order"]}
-        inputs = meta["inputs"]
-        batch = Batch(
-            tuple(_load_input(tensors, v) for v in inputs["args"]),
-            {k: _load_input(tensors, v) for k, v in inputs["kwargs"].items()},
-        )
-        spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
-        variant = Variant(**spec)
-        return cls(
-            source=model,
-            batch=batch,
-            device=torch.device(device if device is not None else meta["device"]),
-            variant=variant,
-            loss_fn=loss_fn,
-            backward=bool(meta["backward"]),
-            modules=None if meta["modules"] is None else tuple(meta["modules"]),
-            module_names=list(meta["module_names"]),
-            temperature=float(meta["temperature"]),
-            clip_eps=float(meta["clip_eps"]),
-            info=RunInfo.from_dict(meta["run"]),
-            stored=stored,
-            offload=True,
-            checksum=None if meta["checksum"] is None else tuple(meta["checksum"]),
-            loss_fn_name=meta["loss_fn"],
-            path=os.fspath(path),
-        )
+        if device is not None:
+            fields["device"] = torch.device(device)
+        loaded = cls(source=model, loss_fn=loss_fn, offload=True, path=shown, **fields)
+        return loaded
 
 
-def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any) -> Any:
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors, each one sharing storage with an earlier one copied (safetensors refuses shared storage;
+    kept tensors may share, the head's output being the logits)."""
+    storages: set[int] = set()
+    unshared = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in storages:
+            tensor = tensor.clone()
+        elif storage.data_ptr() != 0 and storage.nbytes() != 0:  # empty tensors share no memory
+            storages.add(storage.data_ptr())
+        unshared[key] = tensor
+    return unshared
+
+
+def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any, written: dict[Hashable, str]) -> Any:
+    """The metadata entry of one input; a tensor goes into `tensors`, once however often it is given
+    (`written`: the same view of the same memory -> the key it was written under)."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        tensors[_INPUT_PREFIX + key] = value.detach().cpu().contiguous()
-        return {"tensor": _INPUT_PREFIX + key, "requires_grad": bool(value.requires_grad)}
+        view = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.dtype,
+            value.device,
+        )
+        stored_key = written.get(view)
+        if stored_key is None:
+            stored_key = written[view] = _INPUT_PREFIX + key
+            tensors[stored_key] = value.detach().cpu().contiguous()
+        return {"tensor": stored_key, "requires_grad": bool(value.requires_grad)}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     raise ConfigurationError(
@@ -226,10 +248,76 @@ def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any) -> Any:
     )
 
 
-def _load_input(tensors: Mapping[str, torch.Tensor], entry: Mapping[str, Any]) -> Any:
+def _load_input(tensors: Mapping[str, torch.Tensor], entry: Any, handed: dict[str, torch.Tensor]) -> Any:
+    """One input from its metadata entry; a tensor written once for two inputs comes back as one object
+    (`handed`: key -> the tensor already given out), as the batch that was saved held it."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"an input entry is a JSON {type(entry).__name__}, not an object")
     if "tensor" in entry:
-        return tensors[entry["tensor"]].requires_grad_(bool(entry["requires_grad"]))
-    return entry["value"]
+        key, requires_grad = entry["tensor"], entry["requires_grad"]
+        if not isinstance(requires_grad, bool):
+            raise TypeError(f"input {key!r}: requires_grad is {requires_grad!r}, not true or false")
+        if key not in tensors:
+            raise ValueError(f"the input tensor {key!r} its metadata lists is not in the file")
+        tensor = handed.get(key)
+        if tensor is None:
+            tensor = handed[key] = tensors[key].requires_grad_(requires_grad)
+        elif tensor.requires_grad != requires_grad:
+            tensor = tensors[key].detach().requires_grad_(requires_grad)
+        return tensor
+    value = entry["value"]
+    if value is not None and not isinstance(value, (bool, int, float, str)):
+        raise TypeError(f"an input value is a JSON {type(value).__name__}, not a number, string, bool or null")
+    return value
+
+
+def _loaded_fields(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The Reference fields a saved file's metadata and tensors describe (all but model, loss_fn and path);
+    any inconsistency raises ValueError, KeyError or TypeError."""
+    import torch
+
+    order = meta["order"]
+    if not isinstance(order, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair) for pair in order
+    ):
+        raise TypeError("its 'order' is not a list of [name, kind] pairs")
+    missing = [f"{kind}/{name}" for name, kind in order if f"{kind}/{name}" not in tensors]
+    if missing:
+        raise ValueError(f"{len(missing)} tensor(s) its metadata lists are not in the file, e.g. {missing[0]!r}")
+    inputs = meta["inputs"]
+    if not isinstance(inputs["args"], list) or not isinstance(inputs["kwargs"], dict):
+        raise TypeError("its 'inputs' are not a list of args and an object of kwargs")
+    handed: dict[str, torch.Tensor] = {}
+    batch = Batch(
+        tuple(_load_input(tensors, v, handed) for v in inputs["args"]),
+        {k: _load_input(tensors, v, handed) for k, v in inputs["kwargs"].items()},
+    )
+    modules, module_names, checksum = meta["modules"], meta["module_names"], meta["checksum"]
+    if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+        raise TypeError("its 'modules' is not a list of names or null")
+    if not isinstance(module_names, list) or not all(isinstance(m, str) for m in module_names):
+        raise TypeError("its 'module_names' is not a list of names")
+    if checksum is not None and not isinstance(checksum, list):
+        raise TypeError("its 'checksum' is not a list or null")
+    if not isinstance(meta["backward"], bool):
+        raise TypeError(f"its 'backward' is {meta['backward']!r}, not true or false")
+    if meta["loss_fn"] is not None and not isinstance(meta["loss_fn"], str):
+        raise TypeError("its 'loss_fn' is not a name or null")
+    spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
+    return {
+        "batch": batch,
+        "device": torch.device(meta["device"]),
+        "variant": Variant(**spec),
+        "backward": meta["backward"],
+        "modules": None if modules is None else tuple(modules),
+        "module_names": list(module_names),
+        "temperature": float(meta["temperature"]),
+        "clip_eps": float(meta["clip_eps"]),
+        "info": RunInfo.from_dict(meta["run"]),
+        "stored": {(name, kind): tensors[f"{kind}/{name}"] for name, kind in order},
+        "checksum": None if checksum is None else tuple(checksum),
+        "loss_fn_name": meta["loss_fn"],
+    }
 
 
 def qualified_name(function: object) -> str:
