@@ -2,8 +2,25 @@
 
 `reference(model, inputs, ...)` runs the reference (see compare) and returns a `Reference`; `compare(ref,
 variants=[...])` measures variants against it without running the reference again. `ReferenceCache` memoizes
-references (compare(cache=...), the plugin's `precision` fixture keeps one per session), keyed by the model
-object, a checksum of its parameters and buffers, the inputs and every setting the reference run depends on.
+references (compare(cache=...), the plugin's `precision` fixture keeps one per session).
+
+What the cache key covers (see cache_key): a hit needs all of
+- the same model object (held weakly: an entry goes with its model);
+- the same values of every parameter and buffer (a float64 sum and position-weighted sum of each), with the
+  same names, shapes, dtypes, devices and `requires_grad`;
+- per module (every one of `named_modules()`): its class (`torch.nn.utils.parametrize` swaps it), its
+  `training` flag, its forward/backward (pre-)hooks (by handle: any hook registered or removed since is a
+  change), a `forward` assigned on the instance and every other plain attribute in its `__dict__` (numbers,
+  strings, None, dtypes, devices, tuples/lists/sets/dicts of those, tensors not registered as parameters or
+  buffers by their bytes, plain objects such as a transformers config by their own attributes, functions by
+  identity); parametrizations are covered as modules (their originals are parameters);
+- the global module hooks (`torch.nn.modules.module.register_module_forward_hook` and the like);
+- the inputs (every tensor's bytes, or a checksum on an accelerator), the reference variant and every setting
+  of the run (modules, loss_fn object, backward, device, temperature, clip_eps, offload).
+A model holding an attribute of any other kind (or nested too deep) cannot be fingerprinted safely: the
+cache is then not used for that call (`ReferenceCache.skipped` counts them) and the reference runs again.
+Not covered: the code of a function (a hook or `forward` is the same object, so state inside its closure
+or a global it reads is not seen), class attributes, and global state outside torch's module hooks.
 """
 
 from __future__ import annotations
@@ -14,12 +31,13 @@ import json
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .batch import Batch
 from .errors import ConfigurationError
+from .model_build import FactoryProducts
 from .report import RunInfo
 from .variants import Variant
 
@@ -90,6 +108,8 @@ class Reference:
     max_gradient: float | None = None
     #: repeats -> per-tensor noise of the reference's repeats (see compare), computed on first need.
     noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)
+    #: The models a factory source returned for this reference's runs (a model returned twice is refused).
+    products: FactoryProducts = field(default_factory=FactoryProducts, repr=False)
 
     @property
     def model(self) -> nn.Module | ModelFactory | None:
@@ -192,6 +212,7 @@ class Reference:
         )
         spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
         variant = Variant(**spec)
+        _check_loaded_checksum(path, model, meta.get("checksum"))
         return cls(
             source=model,
             batch=batch,
@@ -210,6 +231,40 @@ class Reference:
             loss_fn_name=meta["loss_fn"],
             path=os.fspath(path),
         )
+
+
+def _check_loaded_checksum(path: str | os.PathLike[str], model: object, stored: Any) -> None:
+    """Refuse a model whose parameters or buffers differ from those a loaded Reference was computed with."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module) or stored is None:
+        return
+    if not same_checksum(stored, state_checksum(model)):
+        raise ConfigurationError(
+            f"Reference.load({os.fspath(path)!r}): the model's weights differ from those the reference was "
+            "computed with (parameters, buffers or their names, shapes and dtypes); pass the same model, or "
+            "compute a new reference with reference(model, inputs, ...)"
+        )
+
+
+def same_checksum(stored: Any, current: tuple[Any, ...], rel_tol: float = 1e-9) -> bool:
+    """Whether a saved checksum (JSON lists) matches `current`: same names, shapes and dtypes (devices may
+    differ), and sums equal up to `rel_tol` (another device sums in another order)."""
+    import math
+
+    try:
+        training, (layout, sums) = stored
+        now_training, (now_layout, now_sums) = json.loads(json.dumps(current))
+        del training, now_training  # every run is in eval mode: the flag changes no weight
+        if len(layout) != len(now_layout) or len(sums) != len(now_sums):
+            return False
+        if any(list(a[:3]) != list(b[:3]) for a, b in zip(layout, now_layout, strict=True)):
+            return False
+        return all(
+            math.isclose(float(a), b, rel_tol=rel_tol, abs_tol=rel_tol) for a, b in zip(sums, now_sums, strict=True)
+        )
+    except (TypeError, ValueError):
+        return False
 
 
 def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any) -> Any:
@@ -313,6 +368,139 @@ def _input_fingerprint(value: Any) -> Hashable:
     raise TypeError(f"no fingerprint for {type(value).__name__}")
 
 
+class Unfingerprintable(Exception):
+    """A model attribute whose value cannot be fingerprinted safely: the cache is not used."""
+
+
+#: nn.Module's own bookkeeping in a module's __dict__: covered otherwise (parameters, buffers, submodules,
+#: hooks by handle) or irrelevant to the output (state-dict and registration hooks).
+_MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_modules",
+        "_non_persistent_buffers_set",
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+        "_is_full_backward_hook",
+        "training",
+    }
+)
+#: Hook dicts of a module (keys: handle ids, unique for the process's life).
+_HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_FINGERPRINT_DEPTH = 6
+
+
+class _Fingerprinter:
+    """Fingerprints of attribute values; each function or other object compared by identity is kept in
+    `anchors` so an entry can check it is still alive (a dead object's id may be reused)."""
+
+    def __init__(self, modules: Mapping[int, str]) -> None:
+        self.modules = modules
+        self.anchors: list[object] = []
+        self._memo: dict[int, Hashable] = {}
+
+    def value(self, value: Any, depth: int = 0) -> Hashable:
+        import enum
+        import types
+
+        import torch
+        from torch import nn
+
+        if value is None or isinstance(value, (bool, int, str, bytes, complex)):
+            return (type(value).__name__, value)
+        if isinstance(value, float):
+            return ("float", repr(value))  # NaN equal to itself
+        if isinstance(value, type):
+            self.anchors.append(value)
+            return ("class", id(value))
+        if isinstance(value, (torch.dtype, torch.device, torch.Size, enum.Enum)):
+            return ("repr", type(value).__qualname__, repr(value))
+        if isinstance(value, torch.Tensor):
+            return _input_fingerprint(value.detach())
+        if isinstance(value, nn.Module):
+            if id(value) in self.modules:
+                return ("module", self.modules[id(value)])  # one of the model's own: fingerprinted as such
+            raise Unfingerprintable(f"a module outside the model ({type(value).__name__})")
+        if depth >= _FINGERPRINT_DEPTH:
+            raise Unfingerprintable("nested too deep")
+        known = self._memo.get(id(value))
+        if known is not None:
+            return known
+        self._memo[id(value)] = ("cycle", id(value))
+        result: Hashable
+        if isinstance(value, (tuple, list, set, frozenset)):
+            items = [self.value(v, depth + 1) for v in value]
+            result = (
+                type(value).__qualname__,
+                tuple(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items),
+            )
+        elif isinstance(value, dict):
+            result = ("dict", tuple((self.value(k, depth + 1), self.value(v, depth + 1)) for k, v in value.items()))
+        elif isinstance(
+            value, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.BuiltinMethodType)
+        ) or (callable(value) and not hasattr(value, "__dict__")):
+            result = ("callable", id(value))
+            self.anchors.append(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
+            # A plain object (a transformers config, a dataclass): by its class and its own attributes.
+            attributes = tuple((k, self.value(v, depth + 1)) for k, v in vars(value).items())
+            result = ("object", type(value).__module__, type(value).__qualname__, attributes)
+            if callable(value):
+                self.anchors.append(value)
+                result = (result, id(value))
+        else:
+            raise Unfingerprintable(f"a {type(value).__name__}")
+        self._memo[id(value)] = result
+        return result
+
+
+def model_fingerprint(model: nn.Module) -> tuple[Hashable, list[object]]:
+    """What besides parameter and buffer values can change the model's output (see the module docstring),
+    and the objects compared by identity; raises Unfingerprintable when a value has no safe fingerprint."""
+    from torch.nn.modules import module as module_module
+
+    names = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    fingerprinter = _Fingerprinter(names)
+    parts: list[Hashable] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        state = vars(module)
+        hooks = tuple((hook_dict, tuple(state.get(hook_dict, {}))) for hook_dict in _HOOK_DICTS)
+        attributes = tuple(
+            (key, fingerprinter.value(value))
+            for key, value in state.items()
+            if key not in _MODULE_INTERNALS and key not in _HOOK_DICTS
+        )
+        parts.append((name, id(type(module)), module.training, hooks, attributes))
+        fingerprinter.anchors.append(type(module))
+    requires_grad = tuple(p.requires_grad for p in model.parameters())
+    global_hooks = tuple(
+        (key, tuple(value))
+        for key, value in sorted(vars(module_module).items())
+        if key.startswith("_global_") and key.endswith("hooks") and isinstance(value, dict)
+    )
+    return (tuple(parts), requires_grad, global_hooks), fingerprinter.anchors
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    """A ReferenceCache key, the model's state_checksum, and the objects the key names by identity."""
+
+    key: Hashable
+    checksum: tuple[Any, ...]
+    anchors: tuple[object, ...] = ()
+
+
 def cache_key(
     model: object,
     batch: Batch,
@@ -325,30 +513,55 @@ def cache_key(
     temperature: float,
     clip_eps: float,
     offload: bool,
-) -> tuple[Hashable, tuple[Any, ...]] | None:
-    """(cache key, the model's checksum), or None when the reference cannot be memoized: a factory (its
-    output cannot be checksummed before it runs) or inputs without a fingerprint."""
+) -> CacheKey | None:
+    """The cache key of a reference run (see the module docstring for what it covers), or None when it
+    cannot be memoized: a factory (its output cannot be checksummed before it runs), inputs without a
+    fingerprint, or a model attribute without a safe fingerprint."""
     from torch import nn
 
     if not isinstance(model, nn.Module):
         return None
     try:
         inputs = _input_fingerprint((batch.args, batch.kwargs))
-    except TypeError:
+        structure, anchors = model_fingerprint(model)
+    except (TypeError, Unfingerprintable):
         return None
     checksum = state_checksum(model)
     spec = (json.dumps(variant.to_dict(), sort_keys=True), id(variant.prepare))
     settings = (modules, id(loss_fn), backward, str(device), temperature, clip_eps, offload)
-    key = (id(model), checksum, inputs, spec, settings)
-    return key, checksum
+    anchors += [variant.prepare, loss_fn]
+    key = (id(model), checksum, structure, inputs, spec, settings)
+    return CacheKey(key, checksum, tuple(a for a in anchors if a is not None))
+
+
+def _anchored(anchors: tuple[object, ...]) -> list[Callable[[], object]]:
+    """A weak reference to each anchor (or a strong one when it takes none)."""
+    refs: list[Callable[[], object]] = []
+    for anchor in anchors:
+        try:
+            refs.append(weakref.ref(anchor))
+        except TypeError:
+            refs.append(_Strong(anchor))
+    return refs
+
+
+class _Strong:
+    """A strong reference called like a weak one, for an anchor that takes no weak reference."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __call__(self) -> object:
+        return self.value
 
 
 class ReferenceCache:
     """Least-recently-used References, at most `max_entries` of them and (when given) `max_bytes` of
     captured tensors in all. An entry holds its model weakly: it goes when the model does.
 
-    A hit needs the same model object with the same parameter and buffer values (checksum), the same
-    inputs and the same settings; anything else runs the reference again.
+    A hit needs the same key (see the module docstring for what it covers) and every object the key names
+    by identity still alive; anything else runs the reference again. `hits` and `misses` count lookups;
+    `skipped` counts calls for which the model could not be fingerprinted (the cache was not used).
     """
 
     def __init__(self, max_entries: int = 2, max_bytes: int | None = None) -> None:
@@ -358,7 +571,10 @@ class ReferenceCache:
         self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[Hashable, tuple[weakref.ref[Any], Reference]] = OrderedDict()
+        self.skipped = 0
+        self._entries: OrderedDict[Hashable, tuple[weakref.ref[Any], Reference, list[Callable[[], object]]]] = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -369,13 +585,17 @@ class ReferenceCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(ref.nbytes for _, ref in self._entries.values())
+        return sum(ref.nbytes for _, ref, _ in self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, key: Hashable, model: object) -> Reference | None:
+    def get(self, keyed: CacheKey, model: object) -> Reference | None:
+        key = keyed.key
         entry = self._entries.get(key)
+        if entry is not None and any(anchor() is None for anchor in entry[2]):
+            del self._entries[key]  # an object the key names by id is gone: its id may now be another's
+            entry = None
         if entry is None or entry[0]() is not model:
             self.misses += 1
             return None
@@ -383,7 +603,8 @@ class ReferenceCache:
         self.hits += 1
         return entry[1].with_model(model)  # type: ignore[arg-type]
 
-    def put(self, key: Hashable, model: object, reference: Reference) -> None:
+    def put(self, keyed: CacheKey, model: object, reference: Reference) -> None:
+        key = keyed.key
         if self.max_bytes is not None and reference.nbytes > self.max_bytes:
             return
         entries = self._entries
@@ -391,7 +612,7 @@ class ReferenceCache:
         def drop(_: object) -> None:
             entries.pop(key, None)
 
-        entries[key] = (weakref.ref(model, drop), reference.with_model(None))
+        entries[key] = (weakref.ref(model, drop), reference.with_model(None), _anchored(keyed.anchors))
         entries.move_to_end(key)
         while len(entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
             entries.popitem(last=False)
@@ -404,7 +625,7 @@ def reference(
     reference: str | Variant = "fp32",
     loss_fn: LossFn | None = None,
     backward: bool = True,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | str | None = None,
     device: str | torch.device | None = None,
     temperature: float = 1.0,
     clip_eps: float | None = None,
