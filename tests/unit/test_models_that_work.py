@@ -175,8 +175,8 @@ def test_an_fp64_reference_computes_its_log_probs_in_float64() -> None:
 
 
 class Pinned(nn.Module):
-    _keep_in_fp32_modules = ["mlp"]
-    _keep_in_fp32_modules_strict = ["gate"]
+    _keep_in_fp32_modules = ("mlp",)
+    _keep_in_fp32_modules_strict = ("gate",)
 
     def __init__(self) -> None:
         super().__init__()
