@@ -900,15 +900,20 @@ def compare(
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
-    model: an nn.Module (never modified: each run uses a copy) or a factory `(dtype, device) -> nn.Module`;
+    model: an nn.Module (never modified: each run uses a copy; weights not in fp32/fp64 get a
+        LowPrecisionReferenceWarning) or a factory `(dtype, device) -> nn.Module` returning a new model each
+        call (one returned twice is refused);
         or a Reference (see pytest_precision.reference): its captured tensors are reused, the reference
         does not run again; then `inputs` and the reference's options (reference, loss_fn, backward,
         modules, temperature, clip_eps, offload, cache) are the Reference's and must not be passed.
-    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments.
+    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments (a namedtuple is one
+        argument). Each run gets its own copy of every tensor in them, at any depth: a forward writing its
+        inputs in place changes neither the caller's tensors nor another run.
     reference: "fp32" (default) or "fp64".
     loss_fn: `loss_fn(output, inputs) -> scalar`; default `output.loss`.
     backward: compare gradients too (default True).
-    modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
+    modules: full-match regexes of module names to capture (one string is one regex); default: embedding,
+        blocks, final norm, head.
     temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction
         (default 1.0 and 0.2).
     loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: sized from the
@@ -920,9 +925,12 @@ def compare(
         repeat against the reference's first run. The records are the first run's.
     offload: keep the reference's tensors on the host (see pytest_precision.reference).
     cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
-        parameter values, inputs and options.
+        parameter values, hooks, attributes, inputs and options (see pytest_precision.references for what
+        the key covers; a model it cannot fingerprint runs its reference again).
 
-    A variant whose run produces NaN/Inf is run once more with every module watched;
+    The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
+    same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
+    where they started. A variant whose run produces NaN/Inf is run once more with every module watched;
     `report.nonfinite_origin[variant]` then names the module where they started, "name (fw)" or "name (bw)".
     """
     import torch

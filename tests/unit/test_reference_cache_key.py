@@ -15,6 +15,7 @@ from torch.nn.utils import parametrize
 
 from conftest import random_tokens, tiny_llama
 from pytest_precision import ConfigurationError, Reference, ReferenceCache, compare, reference
+from pytest_precision.references import CacheKey, cache_key
 from pytest_precision.report import PrecisionReport
 
 
@@ -136,6 +137,16 @@ def parametrize_weight(model: Net) -> Callable[[], None]:
     return lambda: None
 
 
+class Doubled(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2
+
+
+def swap_class(model: Net) -> Callable[[], None]:
+    model.blocks[0].__class__ = Doubled  # what parametrize and some patching libraries do
+    return lambda: None
+
+
 def freeze_a_parameter(model: Net) -> Callable[[], None]:
     model.blocks[0].linear.bias.requires_grad_(False)
     return lambda: None
@@ -153,6 +164,7 @@ CHANGES: dict[str, Callable[[Net], Callable[[], None]]] = {
     "instance_forward": replace_forward,
     "parametrization": parametrize_weight,
     "requires_grad": freeze_a_parameter,
+    "class": swap_class,
 }
 
 
@@ -201,6 +213,31 @@ def test_a_replaced_forward_whose_predecessor_was_freed_is_a_miss() -> None:
     after = run(model, cache)
     assert cache.hits == 0
     assert after.to_dict() == run(model).to_dict() != before.to_dict()
+
+
+def test_an_entry_naming_a_freed_object_is_never_a_hit() -> None:
+    import gc
+
+    class Anchor:
+        pass
+
+    model, cache = Net(), ReferenceCache()
+    ref = reference(model, inputs(), loss_fn=loss)
+    anchor = Anchor()
+    cache.put(CacheKey(("some", "key"), (), (anchor,)), model, ref)
+    lookup = CacheKey(("some", "key"), ())
+    assert cache.get(lookup, model) is not None
+    del anchor
+    gc.collect()
+    assert cache.get(lookup, model) is None and len(cache) == 0  # its id may now be another object's
+
+
+def test_a_nan_attribute_still_hits() -> None:
+    model, cache = Net(), ReferenceCache()
+    model.blocks[0].unused = float("nan")
+    run(model, cache)
+    run(model, cache)
+    assert cache.hits == 1
 
 
 def test_a_hook_removed_and_another_added_is_a_miss() -> None:
@@ -273,7 +310,7 @@ def test_load_accepts_the_same_weights(saved: tuple[nn.Module, Path]) -> None:
     model, path = saved
     loaded = Reference.load(path, model=model, loss_fn=loss)
     assert compare(loaded, variants=["bf16"]).records("bf16")
-    model.train()  # the mode is not a weight: every run is in eval mode
+    model.train(not model.training)  # the mode is not a weight: every run is in eval mode
     Reference.load(path, model=model, loss_fn=loss)
 
 
@@ -294,3 +331,27 @@ def test_load_without_a_module_does_not_check(saved: tuple[nn.Module, Path]) -> 
     assert Reference.load(path).model is None
     factory: Callable[[torch.dtype, torch.device], nn.Module] = lambda dtype, _device: Net().to(dtype)  # noqa: E731
     assert Reference.load(path, model=factory).model is factory
+
+
+def test_the_loss_fn_and_prepare_are_named_by_identity_and_anchored() -> None:
+    from pytest_precision.batch import to_batch
+    from pytest_precision.variants import Variant
+
+    def prepare(model: nn.Module) -> nn.Module:
+        return model
+
+    variant = Variant("fp32", dtype="float32", prepare=prepare)
+    settings: dict[str, Any] = {
+        "backward": True,
+        "modules": None,
+        "device": torch.device("cpu"),
+        "temperature": 1.0,
+        "clip_eps": 0.2,
+        "offload": False,
+    }
+    net = Net()
+    keyed = cache_key(net, to_batch(inputs()), variant, loss_fn=loss, **settings)
+    assert keyed is not None
+    assert any(a is loss for a in keyed.anchors) and any(a is prepare for a in keyed.anchors)
+    other = cache_key(net, to_batch(inputs()), variant, loss_fn=lambda out, _i: out.sum(), **settings)
+    assert other is not None and other.key != keyed.key
