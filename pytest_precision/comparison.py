@@ -16,10 +16,11 @@ from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, apply_mask, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
+from .fingerprint import cache_key, state_checksum
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
 from .model_build import FactoryProducts, ModelFactory, build_run_model
-from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, cache_key, qualified_name, state_checksum
+from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
 from .variants import Variant, resolve_reference, resolve_variants, torch_dtype
 

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 
 from conftest import random_tokens, tiny_llama
 from pytest_precision import ConfigurationError, Reference, ReferenceCache, compare, reference
-from pytest_precision.references import CacheKey, cache_key
+from pytest_precision.fingerprint import CacheKey, cache_key
 from pytest_precision.report import PrecisionReport
 
 
