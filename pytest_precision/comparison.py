@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import random
 import re
 import warnings
 from collections import Counter
@@ -17,6 +16,7 @@ from .batch import Batch, apply_mask, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
 from .fingerprint import cache_key, state_checksum
+from .isolation import ambient_modes_off, default_device, preserved_rng, seed_run
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
 from .model_build import FactoryProducts, ModelFactory, build_run_model
@@ -31,64 +31,6 @@ if TYPE_CHECKING:
 LossFn = Callable[[Any, Any], "torch.Tensor"]
 Sink = Callable[[str, str, "torch.Tensor"], None]
 TensorKey = tuple[str, str]
-
-#: Seed set before every run, on every device, so randomness cannot masquerade as precision error.
-RUN_SEED = 0
-
-
-def default_device(model: object) -> torch.device:
-    """The device of the model's first parameter, or the CPU for a factory."""
-    import torch
-    from torch import nn
-
-    if isinstance(model, nn.Module):
-        for parameter in model.parameters():
-            return parameter.device
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def preserved_rng(device: torch.device) -> Iterator[None]:
-    """Restore torch's (CPU and the run's device), Python's and NumPy's global RNG state on exit."""
-    import numpy as np
-    import torch
-
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-@contextlib.contextmanager
-def ambient_modes_off(device: torch.device) -> Iterator[None]:
-    """Run as outside any mode the caller set: no autocast (on the CPU, CUDA and the run's device), no
-    inference mode, grad mode on (each run then sets its own). A call made inside the caller's
-    torch.autocast, no_grad or inference_mode gives the same tensors as one made outside."""
-    import torch
-
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.inference_mode(False))
-        stack.enter_context(torch.enable_grad())
-        for device_type in dict.fromkeys(("cpu", "cuda", device.type)):
-            if torch.amp.is_autocast_available(device_type):
-                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
-        yield
-
-
-def seed_run(device: torch.device) -> None:
-    """Seed the CPU generator and the run's own device only: torch.manual_seed would also reseed every
-    CUDA device (or queue that until CUDA starts), which preserved_rng does not restore."""
-    import torch
-
-    torch.default_generator.manual_seed(RUN_SEED)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(RUN_SEED)
 
 
 def _loss_of(output: Any, inputs: Any, loss_fn: LossFn | None, variant: str) -> torch.Tensor | None:
