@@ -609,8 +609,8 @@ def build_reference(
         else (state_checksum(model) if checksum and isinstance(model, nn.Module) else None),
         loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
     )
-    runner = _runner(ref)
     with preserved_rng(run_device), ambient_modes_off(run_device):
+        runner = _runner(ref)  # its targets and mask made outside the caller's inference mode too
         ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, offload)
     if not backward:
         ref.max_gradient = None
@@ -802,9 +802,9 @@ def measure(
             "the model's parameters or buffers changed since its Reference was computed; build a new "
             "one with reference(model, inputs, ...)"
         )
-    runner = _runner(ref, repeats)
     stored = ref.tensors()
     with preserved_rng(ref.device), ambient_modes_off(ref.device):
+        runner = _runner(ref, repeats)
         noise = _reference_noise(runner, ref, repeats)
         report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
         for variant in variants:
