@@ -668,8 +668,8 @@ class _ReferenceKeeper:
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
         self.largest_gradient = LargestGradient()
-        #: Whether every tensor so far was finite, as a device-side flag (read once, after the run).
-        self.finite: torch.Tensor | None = None
+        #: Per kind, whether every tensor so far was finite: device-side flags, read once after the run.
+        self.finite: dict[str, torch.Tensor] = {}
         # The caller's floating input tensors (what a captured tensor can alias): a module returning its input
         # as is (dropout in eval) must not make the reference hold the caller's storage, which the caller may
         # write later.
@@ -683,7 +683,7 @@ class _ReferenceKeeper:
         self.largest_gradient(name, kind, kept)  # on the device, before any offload
         if kept.is_floating_point() and kept.numel():
             finite = torch.isfinite(kept).all()
-            self.finite = finite if self.finite is None else self.finite & finite
+            self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite
         shares_input = kept.untyped_storage().data_ptr() in self.input_storages
         version = None if self.clone_all or self.offload or shares_input else _version_of(kept)
         if version is None:
@@ -706,20 +706,25 @@ def _run_reference(
     is kept as produced with its version counter; should any have been written in place by the end of the run
     (rare: in-place residual adds, gradient buffers reused by autograd), the run is repeated cloning every
     tensor. Views, tensors without a version counter (inference mode) and the caller's own input tensors are
-    cloned at once.
+    cloned at once. A reference producing NaN/Inf is a ModelRunError saying where they started.
     """
+    import torch
+
     keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
-    if keeper.finite is not None and not bool(keeper.finite):
-        stored.clear()
-        raise ModelRunError(_nonfinite_reference(runner, variant))
+    if keeper.finite:
+        flags = torch.stack(list(keeper.finite.values())).tolist()  # the run's one host sync for this check
+        nonfinite = [kind for kind, finite in zip(keeper.finite, flags, strict=True) if not finite]
+        if nonfinite:
+            stored.clear()
+            raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
     if not keeper.untouched():
         keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
     return info, keeper.largest_gradient.value()
 
 
-def _nonfinite_reference(runner: _Runner, variant: Variant) -> str:
+def _nonfinite_reference(runner: _Runner, variant: Variant, kinds: Sequence[str]) -> str:
     """Why the reference cannot be one: where its NaN/Inf started (a diagnostic rerun watching every module)."""
     import torch
 
@@ -733,10 +738,15 @@ def _nonfinite_reference(runner: _Runner, variant: Variant) -> str:
     elif not all(bool(torch.isfinite(t).all()) for t in floating_tensors((runner.batch.args, runner.batch.kwargs))):
         started = "an input tensor is already NaN/Inf"
     else:
-        started = "no module turned finite inputs into them (they started outside the modules: the loss?)"
+        started = "no module turned finite inputs into them (they started outside the modules)"
+    if "loss" in kinds and "fw" not in kinds:
+        started += (
+            " (every module's output is finite but the loss is not: is every label -100 or masked out? a mean "
+            "over no position is NaN)"
+        )
     return (
-        f"the {variant.name} reference is not finite: {started}; a reference must be finite to measure "
-        "variants against it: fix the model or the inputs (or compare a smaller selection of inputs)"
+        f"the {variant.name} reference is not finite: {started}; non-finite kinds: {', '.join(kinds)}; a "
+        "reference must be finite to measure variants against it: fix the model or the inputs"
     )
 
 

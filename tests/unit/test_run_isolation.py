@@ -412,3 +412,12 @@ def test_an_argument_error_blames_the_keys() -> None:
 def test_user_report_is_plain_data() -> None:
     report: PrecisionReport = compare(Doubler(), nested_inputs(), ["bf16"], loss_fn=lambda out, _i: out.sum())
     assert np.isfinite([r.rms_rel for r in report.records("bf16", "fw")]).all()
+
+
+def test_a_reference_whose_loss_is_nan_because_no_label_counts_says_so() -> None:
+    model = tiny_llama(layers=1)
+    ids = random_tokens(length=6)
+    labels = torch.full_like(ids, -100)
+    with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: .*is every label -100") as info:
+        compare(model, {"input_ids": ids, "labels": labels}, ["bf16"])
+    assert "non-finite kinds: loss" in str(info.value)
