@@ -421,3 +421,13 @@ def test_a_reference_whose_loss_is_nan_because_no_label_counts_says_so() -> None
     with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: .*is every label -100") as info:
         compare(model, {"input_ids": ids, "labels": labels}, ["bf16"])
     assert "non-finite kinds: loss" in str(info.value)
+
+
+def test_a_non_finite_intermediate_with_a_finite_output_is_still_refused() -> None:
+    torch.manual_seed(0)
+    scale = nn.Linear(4, 4)
+    with torch.no_grad():
+        scale.weight.fill_(100.0)
+    model = nn.Sequential(scale, Exp(), nn.Tanh())  # exp overflows to inf; tanh(inf) = 1 is finite again
+    with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: NaN/Inf first appear in 1 \(fw\)"):
+        compare(model, torch.rand(3, 4) + 1, ["bf16"], backward=False, modules=r"\d")  # every child captured
