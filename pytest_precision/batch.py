@@ -21,7 +21,10 @@ class Batch:
     kwargs: dict[str, Any]
 
     def on(self, device: torch.device, float_dtype: torch.dtype | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments moved to `device`, floating tensors cast to `float_dtype` (when given)."""
+        """A private copy of the arguments for one run: every tensor, at any depth of dicts, lists and tuples
+        (namedtuples keep their type), copied once to `device`, floating ones cast to `float_dtype` (when
+        given). A forward writing its inputs in place then changes neither the caller's tensors nor the next
+        run's."""
         import torch
 
         def move(value: Any) -> Any:
@@ -29,9 +32,12 @@ class Batch:
                 # Detached, so the caller's tensor never receives a .grad; a new leaf that still requires
                 # grad when the caller's did, so the first module's input gradient is still captured.
                 wanted = float_dtype if value.is_floating_point() and float_dtype is not None else value.dtype
-                moved = value.detach().to(device=device, dtype=wanted)
+                moved = value.detach().to(device=device, dtype=wanted, copy=True)
                 return moved.requires_grad_(value.requires_grad and moved.is_floating_point())
-            if isinstance(value, (tuple, list)):
+            if isinstance(value, tuple):
+                items = [move(v) for v in value]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            if isinstance(value, list):
                 return type(value)(move(v) for v in value)
             if isinstance(value, dict):
                 return {k: move(v) for k, v in value.items()}
@@ -75,15 +81,15 @@ class Batch:
 
 
 def to_batch(inputs: object) -> Batch:
-    """A dict of keyword arguments, a tensor, or a tuple of positional arguments."""
+    """A dict of keyword arguments, a tensor (or a namedtuple: one argument), or a tuple of positional arguments."""
     import torch
 
     if isinstance(inputs, dict):
         if not all(isinstance(k, str) for k in inputs):
             raise ConfigurationError("inputs: a dict of inputs needs string keys (keyword arguments of forward)")
         return Batch((), dict(inputs))
-    if isinstance(inputs, torch.Tensor):
-        return Batch((inputs,), {})
+    if isinstance(inputs, torch.Tensor) or (isinstance(inputs, tuple) and hasattr(inputs, "_fields")):
+        return Batch((inputs,), {})  # a namedtuple is one structured argument, not a tuple of arguments
     if isinstance(inputs, (tuple, list)):
         return Batch(tuple(inputs), {})
     raise ConfigurationError(

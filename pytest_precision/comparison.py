@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import random
+import re
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -14,10 +15,12 @@ from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, apply_mask, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
+from .fingerprint import cache_key, state_checksum
+from .isolation import ambient_modes_off, default_device, preserved_rng, seed_run
 from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
 from .metrics import tensor_error
-from .model_build import ModelFactory, build_run_model
-from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, cache_key, qualified_name, state_checksum
+from .model_build import FactoryProducts, ModelFactory, build_run_model
+from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
 from .variants import Variant, resolve_reference, resolve_variants, torch_dtype
 
@@ -28,48 +31,6 @@ if TYPE_CHECKING:
 LossFn = Callable[[Any, Any], "torch.Tensor"]
 Sink = Callable[[str, str, "torch.Tensor"], None]
 TensorKey = tuple[str, str]
-
-#: Seed set before every run, on every device, so randomness cannot masquerade as precision error.
-RUN_SEED = 0
-
-
-def default_device(model: object) -> torch.device:
-    """The device of the model's first parameter, or the CPU for a factory."""
-    import torch
-    from torch import nn
-
-    if isinstance(model, nn.Module):
-        for parameter in model.parameters():
-            return parameter.device
-    return torch.device("cpu")
-
-
-@contextlib.contextmanager
-def preserved_rng(device: torch.device) -> Iterator[None]:
-    """Restore torch's (CPU and the run's device), Python's and NumPy's global RNG state on exit."""
-    import numpy as np
-    import torch
-
-    python_state = random.getstate()
-    numpy_state = np.random.get_state()
-    devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
-
-
-def seed_run(device: torch.device) -> None:
-    """Seed the CPU generator and the run's own device only: torch.manual_seed would also reseed every
-    CUDA device (or queue that until CUDA starts), which preserved_rng does not restore."""
-    import torch
-
-    torch.default_generator.manual_seed(RUN_SEED)
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            torch.cuda.manual_seed(RUN_SEED)
 
 
 def _loss_of(output: Any, inputs: Any, loss_fn: LossFn | None, variant: str) -> torch.Tensor | None:
@@ -151,6 +112,8 @@ def fp16_loss_scale(max_gradient: float) -> float:
 
 
 FP16_MAX = 65504.0
+#: A TypeError about the call's arguments (wrong keyword, missing or extra positional argument).
+_ARGUMENT_ERROR = re.compile(r"argument|positional|keyword")
 GRADIENT_KINDS = ("bw", "grad")
 #: Internal kind: the reference's logits, kept to compare whole next-token distributions.
 LOGITS_KIND = "logits"
@@ -172,8 +135,10 @@ class _Runner:
         clip_eps: float,
         logprob_dtype: torch.dtype,
         repeats: int = 1,
+        products: FactoryProducts | None = None,
     ) -> None:
         self.source = source
+        self.products = FactoryProducts() if products is None else products
         self.repeats = repeats
         self.batch = batch
         self.device = device
@@ -210,8 +175,8 @@ class _Runner:
         """
         import torch
 
-        with pinned_backend(variant, self.device.type) as flags:
-            model = build_run_model(self.source, variant, self.device)
+        with ambient_modes_off(self.device), pinned_backend(variant, self.device.type) as flags:
+            model = build_run_model(self.source, variant, self.device, self.products)
             if self.module_names is None:
                 self.module_names = select_modules(model, self.modules)
             float_dtype = torch_dtype(variant.weight_dtype)
@@ -231,11 +196,7 @@ class _Runner:
                     except PrecisionError:
                         raise
                     except Exception as error:
-                        raise ModelRunError(
-                            f"run {variant.name!r}: {type(model).__name__} rejected the inputs "
-                            f"{self.batch.shapes()}: {type(error).__name__}: {error} (check that the inputs' keys "
-                            "match forward()'s arguments, and their shapes, dtypes and token ids what it expects)"
-                        ) from error
+                        raise ModelRunError(self._failure(model, variant, error, "forward")) from error
                 self._log_probabilities(model, output, sink)
                 loss = _loss_of(output, call_inputs, self.loss_fn, variant.name)
                 if loss is not None:
@@ -251,7 +212,12 @@ class _Runner:
                             f"run {variant.name!r}: the loss does not require grad (no parameter requires "
                             "grad?); pass backward=False to compare forward tensors only"
                         )
-                    (loss * loss_scale if loss_scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
+                    try:
+                        (loss * loss_scale if loss_scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
+                    except PrecisionError:
+                        raise
+                    except Exception as error:
+                        raise ModelRunError(self._failure(model, variant, error, "backward")) from error
             if trace is not None and (where := trace.origin()) is not None:
                 assert origin is not None
                 origin[variant.name] = where
@@ -270,12 +236,27 @@ class _Runner:
             del model, output, loss
         return info
 
+    def _failure(self, model: nn.Module, variant: Variant, error: Exception, phase: str) -> str:
+        """What went wrong in a run: the inputs' keys are blamed only for a TypeError about arguments."""
+        name = type(model).__name__
+        if phase == "forward" and isinstance(error, TypeError) and _ARGUMENT_ERROR.search(str(error)):
+            return (
+                f"run {variant.name!r}: {name} rejected the inputs {self.batch.shapes()}: {type(error).__name__}: "
+                f"{error} (check that the inputs' keys match forward()'s arguments, and their shapes, dtypes and "
+                "token ids what it expects)"
+            )
+        return (
+            f"{name} raised {type(error).__name__}: {error} in {phase} of run {variant.name!r} "
+            f"(inputs {self.batch.shapes()})"
+        )
+
     def _log_probabilities(self, model: nn.Module, output: Any, sink: Sink) -> None:
         """For a causal LM: the gradient at the logits (bw), the logits, and the chosen-token log-probs."""
         logits = _logits_of(output)
         if (
             logits is None
             or self.targets is None
+            or not self.targets.numel()  # sequences of length 1: no position predicts a next token
             or not _is_causal_lm(model)
             or tuple(logits.shape[:2]) != (self.targets.shape[0], self.targets.shape[1] + 1)
             or int(self.targets.max()) >= logits.shape[-1]  # logits over tags or classes, not the vocabulary
@@ -549,6 +530,7 @@ def _runner(ref: Reference, repeats: int = 1) -> _Runner:
         clip_eps=ref.clip_eps,
         logprob_dtype=torch.float64 if ref.variant.dtype == "float64" else torch.float32,
         repeats=repeats,
+        products=ref.products,
     )
     if ref.module_names:
         runner.module_names = list(ref.module_names)
@@ -562,7 +544,7 @@ def build_reference(
     reference: str | Variant = "fp32",
     loss_fn: LossFn | None = None,
     backward: bool = True,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | str | None = None,
     device: str | torch.device | None = None,
     temperature: float = 1.0,
     clip_eps: float | None = None,
@@ -576,6 +558,7 @@ def build_reference(
     from torch import nn
 
     _check_model(model)
+    selection = module_selection(modules)
     if temperature <= 0:
         raise ConfigurationError(f"temperature must be positive, got {temperature}")
     clip_eps = DEFAULT_CLIP_EPS if clip_eps is None else clip_eps
@@ -585,7 +568,8 @@ def build_reference(
     batch = to_batch(inputs)
     run_device = torch.device(device) if device is not None else default_device(model)
     offload = _default_offload(model, run_device) if offload is None else bool(offload)
-    selection = None if modules is None else tuple(modules)
+    if isinstance(model, nn.Module):
+        _warn_low_precision_weights(model, reference_variant)
     keyed = None
     if cache is not None:
         keyed = cache_key(
@@ -600,7 +584,9 @@ def build_reference(
             clip_eps=clip_eps,
             offload=offload,
         )
-        if keyed is not None and (hit := cache.get(keyed[0], model)) is not None:
+        if keyed is None:
+            cache.skipped += 1
+        elif (hit := cache.get(keyed, model)) is not None:
             return hit
     ref = Reference(
         source=model,
@@ -618,20 +604,59 @@ def build_reference(
         offload=offload,
         # The checksum lets a kept Reference detect an in-place edit later; a throwaway one (compare() without a
         # cache) is used at once, so it skips that pass over every parameter.
-        checksum=keyed[1]
+        checksum=keyed.checksum
         if keyed is not None
         else (state_checksum(model) if checksum and isinstance(model, nn.Module) else None),
         loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
     )
-    runner = _runner(ref)
-    with preserved_rng(run_device):
+    with preserved_rng(run_device), ambient_modes_off(run_device):
+        runner = _runner(ref)  # its targets and mask made outside the caller's inference mode too
         ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, offload)
     if not backward:
         ref.max_gradient = None
     ref.module_names = list(runner.module_names or [])
     if cache is not None and keyed is not None:
-        cache.put(keyed[0], model, ref)
+        cache.put(keyed, model, ref)
     return ref
+
+
+def module_selection(modules: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """`modules` as a tuple of regexes: one string is one regex; an empty selection is refused."""
+    if modules is None:
+        return None
+    selection = (modules,) if isinstance(modules, str) else tuple(modules)
+    if not selection:
+        raise ConfigurationError("modules: give at least one regex, or None for the default selection")
+    wrong = [m for m in selection if not isinstance(m, str)]
+    if wrong:
+        raise ConfigurationError(
+            f"modules: each item must be a regex string, got {type(wrong[0]).__name__} ({wrong[0]!r})"
+        )
+    return selection
+
+
+class LowPrecisionReferenceWarning(UserWarning):
+    """The reference model's weights are not fp32/fp64: its fp32 reference is only an upcast of them."""
+
+
+def _warn_low_precision_weights(model: nn.Module, reference: Variant) -> None:
+    import torch
+
+    low = sorted(
+        {
+            str(p.dtype).removeprefix("torch.")
+            for p in model.parameters()
+            if p.is_floating_point() and p.dtype not in (torch.float32, torch.float64)
+        }
+    )
+    if low:
+        warnings.warn(
+            f"{type(model).__name__} holds {'/'.join(low)} parameters: the {reference.name} reference is only an "
+            f"upcast of {'/'.join(low)} weights, and the errors measure rounding from those weights, not from "
+            "full-precision ones; pass the model in fp32 (or a factory loading it in each run's dtype)",
+            LowPrecisionReferenceWarning,
+            stacklevel=4,
+        )
 
 
 class _ReferenceKeeper:
@@ -643,6 +668,8 @@ class _ReferenceKeeper:
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
         self.largest_gradient = LargestGradient()
+        #: Per kind, whether every tensor so far was finite: device-side flags, read once after the run.
+        self.finite: dict[str, torch.Tensor] = {}
         # The caller's floating input tensors (what a captured tensor can alias): a module returning its input
         # as is (dropout in eval) must not make the reference hold the caller's storage, which the caller may
         # write later.
@@ -650,8 +677,13 @@ class _ReferenceKeeper:
         stored.clear()
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
+        import torch
+
         kept = tensor.detach()
         self.largest_gradient(name, kind, kept)  # on the device, before any offload
+        if kept.is_floating_point() and kept.numel():
+            finite = torch.isfinite(kept).all()
+            self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite
         shares_input = kept.untyped_storage().data_ptr() in self.input_storages
         version = None if self.clone_all or self.offload or shares_input else _version_of(kept)
         if version is None:
@@ -674,14 +706,48 @@ def _run_reference(
     is kept as produced with its version counter; should any have been written in place by the end of the run
     (rare: in-place residual adds, gradient buffers reused by autograd), the run is repeated cloning every
     tensor. Views, tensors without a version counter (inference mode) and the caller's own input tensors are
-    cloned at once.
+    cloned at once. A reference producing NaN/Inf is a ModelRunError saying where they started.
     """
+    import torch
+
     keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
+    if keeper.finite:
+        flags = torch.stack(list(keeper.finite.values())).tolist()  # the run's one host sync for this check
+        nonfinite = [kind for kind, finite in zip(keeper.finite, flags, strict=True) if not finite]
+        if nonfinite:
+            stored.clear()
+            raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
     if not keeper.untouched():
         keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
     return info, keeper.largest_gradient.value()
+
+
+def _nonfinite_reference(runner: _Runner, variant: Variant, kinds: Sequence[str]) -> str:
+    """Why the reference cannot be one: where its NaN/Inf started (a diagnostic rerun watching every module)."""
+    import torch
+
+    origin: dict[str, str] = {}
+    # A failure of the watching hooks (full backward hooks refuse some in-place ops) only costs the diagnosis.
+    with contextlib.suppress(Exception):
+        runner.run(variant, lambda name, kind, tensor: None, origin=origin)
+    where = origin.get(variant.name)
+    if where is not None:
+        started = f"NaN/Inf first appear in {where}"
+    elif not all(bool(torch.isfinite(t).all()) for t in floating_tensors((runner.batch.args, runner.batch.kwargs))):
+        started = "an input tensor is already NaN/Inf"
+    else:
+        started = "no module turned finite inputs into them (they started outside the modules)"
+    if "loss" in kinds and "fw" not in kinds:
+        started += (
+            " (every module's output is finite but the loss is not: is every label -100 or masked out? a mean "
+            "over no position is NaN)"
+        )
+    return (
+        f"the {variant.name} reference is not finite: {started}; non-finite kinds: {', '.join(kinds)}; a "
+        "reference must be finite to measure variants against it: fix the model or the inputs"
+    )
 
 
 def _version_of(tensor: torch.Tensor) -> int | None:
@@ -746,9 +812,9 @@ def measure(
             "the model's parameters or buffers changed since its Reference was computed; build a new "
             "one with reference(model, inputs, ...)"
         )
-    runner = _runner(ref, repeats)
     stored = ref.tensors()
-    with preserved_rng(ref.device):
+    with preserved_rng(ref.device), ambient_modes_off(ref.device):
+        runner = _runner(ref, repeats)
         noise = _reference_noise(runner, ref, repeats)
         report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
         for variant in variants:
@@ -776,7 +842,7 @@ def compare(
     reference: str | Variant | None = None,
     loss_fn: LossFn | None = None,
     backward: bool | None = None,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | str | None = None,
     device: str | torch.device | None = None,
     temperature: float | None = None,
     clip_eps: float | None = None,
@@ -787,15 +853,20 @@ def compare(
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
-    model: an nn.Module (never modified: each run uses a copy) or a factory `(dtype, device) -> nn.Module`;
+    model: an nn.Module (never modified: each run uses a copy; weights not in fp32/fp64 get a
+        LowPrecisionReferenceWarning) or a factory `(dtype, device) -> nn.Module` returning a new model each
+        call (one returned twice is refused);
         or a Reference (see pytest_precision.reference): its captured tensors are reused, the reference
         does not run again; then `inputs` and the reference's options (reference, loss_fn, backward,
         modules, temperature, clip_eps, offload, cache) are the Reference's and must not be passed.
-    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments.
+    inputs: a dict of keyword arguments, a tensor, or a tuple of positional arguments (a namedtuple is one
+        argument). Each run gets its own copy of every tensor in them, at any depth: a forward writing its
+        inputs in place changes neither the caller's tensors nor another run.
     reference: "fp32" (default) or "fp64".
     loss_fn: `loss_fn(output, inputs) -> scalar`; default `output.loss`.
     backward: compare gradients too (default True).
-    modules: full-match regexes of module names to capture; default: embedding, blocks, final norm, head.
+    modules: full-match regexes of module names to capture (one string is one regex); default: embedding,
+        blocks, final norm, head.
     temperature, clip_eps: for causal LMs' chosen-token log-probabilities and their clip fraction
         (default 1.0 and 0.2).
     loss_scale: fp16 loss scale, one for every fp16 variant or {variant: scale}; default: sized from the
@@ -807,9 +878,12 @@ def compare(
         repeat against the reference's first run. The records are the first run's.
     offload: keep the reference's tensors on the host (see pytest_precision.reference).
     cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
-        parameter values, inputs and options.
+        parameter values, hooks, attributes, inputs and options (see pytest_precision.references for what
+        the key covers; a model it cannot fingerprint runs its reference again).
 
-    A variant whose run produces NaN/Inf is run once more with every module watched;
+    The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
+    same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
+    where they started. A variant whose run produces NaN/Inf is run once more with every module watched;
     `report.nonfinite_origin[variant]` then names the module where they started, "name (fw)" or "name (bw)".
     """
     import torch

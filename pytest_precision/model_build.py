@@ -2,7 +2,11 @@
 
 A run's model is a deep copy of the user's model (or a fresh one from the user's factory), with
 parameters cast as transformers casts a checkpoint loaded in a lower dtype: parameters take the dtype,
-floating buffers such as rotary `inv_freq` keep theirs, `_keep_in_fp32_modules` stay in fp32.
+floating buffers such as rotary `inv_freq` keep theirs, `_keep_in_fp32_modules` stay in fp32 (in fp16 runs;
+`_keep_in_fp32_modules_strict` in fp16 and bf16 runs). One exception to "buffers keep their dtype": the
+running statistics of normalization layers that track them (BatchNorm, InstanceNorm with
+track_running_stats) take their module's weight dtype, as `model.to(dtype)` does, since those layers refuse
+statistics of another dtype than their input.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import contextlib
 import copy
 import fnmatch
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +98,23 @@ def cast_parameters(model: nn.Module, dtype: str) -> None:
     for name, parameter in model.named_parameters():
         if name in wanted and parameter.dtype != wanted[name]:
             parameter.data = parameter.data.to(wanted[name])
+
+
+def cast_running_stats(model: nn.Module, dtype: str) -> None:
+    """Cast the floating buffers (running mean and variance) of every normalization layer tracking running
+    statistics to the dtype its weight has in this run (the run's dtype for a layer without weight)."""
+    import torch
+    from torch.nn.modules.batchnorm import _NormBase
+
+    target = torch_dtype(dtype)
+    for module in model.modules():
+        if not isinstance(module, _NormBase) or not module.track_running_stats:
+            continue
+        weight = module.weight if isinstance(module.weight, torch.Tensor) else None
+        wanted = weight.dtype if weight is not None and weight.is_floating_point() else target
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != wanted:
+                module._buffers[name] = buffer.to(wanted)
 
 
 def copy_cast(model: nn.Module, dtype: str, device: torch.device) -> nn.Module:
@@ -218,8 +240,31 @@ def set_attn_implementation(model: nn.Module, implementation: str) -> None:
     config._attn_implementation = implementation
 
 
-def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: torch.device) -> nn.Module:
-    """The model one run uses: a copy (or a factory product) cast and prepared for `variant`."""
+class FactoryProducts:
+    """The models a factory returned within one comparison, held weakly: a factory returning one of them
+    again (`lambda dtype, device: model`) would have every run mutate, and share, one model."""
+
+    def __init__(self) -> None:
+        self._models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def check(self, model: nn.Module) -> None:
+        if model in self._models:
+            raise ConfigurationError(
+                f"model factory: the factory returned the same module object for two runs (a "
+                f"{type(model).__name__}); return a new model each call (build or load it inside the factory), or "
+                "pass the model itself, which each run copies"
+            )
+        self._models.add(model)
+
+
+def build_run_model(
+    source: nn.Module | ModelFactory,
+    variant: Variant,
+    device: torch.device,
+    products: FactoryProducts | None = None,
+) -> nn.Module:
+    """The model one run uses: a copy (or a factory product) cast and prepared for `variant`. `products`
+    collects a factory's models to refuse one returned twice."""
     from torch import nn
 
     if isinstance(source, nn.Module):
@@ -231,10 +276,13 @@ def build_run_model(source: nn.Module | ModelFactory, variant: Variant, device: 
                 f"model factory returned {type(model).__name__}, expected a torch.nn.Module; a factory is "
                 "called as factory(dtype, device)"
             )
+        if products is not None:
+            products.check(model)
         model = model.to(device)
         cast_parameters(model, variant.weight_dtype)
         for parameter in model.parameters():
             parameter.grad = None
+    cast_running_stats(model, variant.weight_dtype)
     if not any(p.is_floating_point() for p in model.parameters()):
         raise ConfigurationError(
             f"{type(model).__name__} has no floating-point parameters to measure: pass the model that holds "

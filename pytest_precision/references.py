@@ -2,24 +2,26 @@
 
 `reference(model, inputs, ...)` runs the reference (see compare) and returns a `Reference`; `compare(ref,
 variants=[...])` measures variants against it without running the reference again. `ReferenceCache` memoizes
-references (compare(cache=...), the plugin's `precision` fixture keeps one per session), keyed by the model
-object, a checksum of its parameters and buffers, the inputs and every setting the reference run depends on.
+references (compare(cache=...), the plugin's `precision` fixture keeps one per session).
+
+What the cache key covers: see pytest_precision.fingerprint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .batch import Batch
 from .errors import ConfigurationError
+from .fingerprint import _CHUNK_WEIGHTS, CacheKey, anchored, same_checksum, state_checksum  # noqa: F401
+from .model_build import FactoryProducts
 from .report import RunInfo
 from .variants import Variant
 
@@ -90,6 +92,8 @@ class Reference:
     max_gradient: float | None = None
     #: repeats -> per-tensor noise of the reference's repeats (see compare), computed on first need.
     noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)
+    #: The models a factory source returned for this reference's runs (a model returned twice is refused).
+    products: FactoryProducts = field(default_factory=FactoryProducts, repr=False)
 
     @property
     def model(self) -> nn.Module | ModelFactory | None:
@@ -203,7 +207,22 @@ class Reference:
         if device is not None:
             fields["device"] = torch.device(device)
         loaded = cls(source=model, loss_fn=loss_fn, offload=True, path=shown, **fields)
+        _check_loaded_checksum(path, model, meta.get("checksum"))
         return loaded
+
+
+def _check_loaded_checksum(path: str | os.PathLike[str], model: object, stored: Any) -> None:
+    """Refuse a model whose parameters or buffers differ from those a loaded Reference was computed with."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module) or stored is None:
+        return
+    if not same_checksum(stored, state_checksum(model)):
+        raise ConfigurationError(
+            f"Reference.load({os.fspath(path)!r}): the model's weights differ from those the reference was "
+            "computed with (parameters, buffers or their names, shapes and dtypes); pass the same model, or "
+            "compute a new reference with reference(model, inputs, ...)"
+        )
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -326,117 +345,13 @@ def qualified_name(function: object) -> str:
     return f"{module}.{name}" if module else name
 
 
-#: Per device: the fixed pseudo-random weights of one checksum chunk, made once (sin in float64 is not cheap).
-_CHUNK_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-#: Chunk k's weighted sum counts (1 + k * this): a value moved to the same offset of another chunk still shows.
-_CHUNK_FACTOR = 0.6180339887498949
-
-
-def _chunk_weights(device: torch.device) -> torch.Tensor:
-    """Fixed pseudo-random weights in [0.5, 1.5) for the positions of one chunk (float64, on `device`)."""
-    import torch
-
-    from .metrics import chunk_elements
-
-    weights = _CHUNK_WEIGHTS.get(device)
-    if weights is None:
-        positions = torch.arange(chunk_elements(device), dtype=torch.float64, device=device)
-        weights = torch.frac(torch.sin(positions * 12.9898 + 78.233).abs() * 43758.5453) + 0.5
-        _CHUNK_WEIGHTS[device] = weights
-    return weights
-
-
-def _tensor_sums(tensor: torch.Tensor) -> torch.Tensor:
-    """(sum, position-weighted sum) of a tensor in float64, on its device, a cache-sized chunk at a time."""
-    import torch
-
-    flat = tensor.detach().reshape(-1)
-    weights = _chunk_weights(flat.device)
-    step = weights.numel()
-    total = torch.zeros(2, dtype=torch.float64, device=flat.device)
-    for index, start in enumerate(range(0, flat.numel(), step)):
-        piece = flat[start : start + step].to(torch.float64)
-        weighted = torch.dot(piece, weights[: piece.numel()]) * (1.0 + index * _CHUNK_FACTOR)
-        total += torch.stack([piece.sum(), weighted])
-    return total
-
-
-def _checksum(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[Any, ...]:
-    """Names, shapes, dtypes, devices and (sum, weighted sum) of each tensor, with one host copy per device."""
-    import torch
-
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for _, tensor in named:
-        by_device.setdefault(tensor.device, []).append(_tensor_sums(tensor))
-    sums: list[float] = []
-    for parts in by_device.values():
-        sums += torch.stack(parts).reshape(-1).cpu().tolist()
-    layout = tuple((name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in named)
-    return (layout, tuple(sums))
-
-
-def state_checksum(model: nn.Module) -> tuple[Any, ...]:
-    """A cheap fingerprint of every parameter and buffer (and the training flag): any in-place edit of a
-    value changes it (up to float64 rounding of a sum: an edit smaller than that can slip through)."""
-    named = [*model.named_parameters(), *model.named_buffers()]
-    return (model.training, _checksum(named))
-
-
-def _input_fingerprint(value: Any) -> Hashable:
-    """Hashable fingerprint of an input; raises TypeError for a value that has none."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        described = (tuple(value.shape), str(value.dtype), str(value.device), bool(value.requires_grad))
-        if value.device.type == "cpu":
-            data = value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-            return ("tensor", described, hashlib.sha256(data).hexdigest())
-        return ("tensor", described, _checksum([("", value)]))
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return (type(value).__name__, value)
-    if isinstance(value, (tuple, list)):
-        return (type(value).__name__, tuple(_input_fingerprint(v) for v in value))
-    if isinstance(value, dict):
-        return ("dict", tuple((k, _input_fingerprint(v)) for k, v in value.items()))
-    raise TypeError(f"no fingerprint for {type(value).__name__}")
-
-
-def cache_key(
-    model: object,
-    batch: Batch,
-    variant: Variant,
-    *,
-    loss_fn: object,
-    backward: bool,
-    modules: tuple[str, ...] | None,
-    device: torch.device,
-    temperature: float,
-    clip_eps: float,
-    offload: bool,
-) -> tuple[Hashable, tuple[Any, ...]] | None:
-    """(cache key, the model's checksum), or None when the reference cannot be memoized: a factory (its
-    output cannot be checksummed before it runs) or inputs without a fingerprint."""
-    from torch import nn
-
-    if not isinstance(model, nn.Module):
-        return None
-    try:
-        inputs = _input_fingerprint((batch.args, batch.kwargs))
-    except TypeError:
-        return None
-    checksum = state_checksum(model)
-    spec = (json.dumps(variant.to_dict(), sort_keys=True), id(variant.prepare))
-    settings = (modules, id(loss_fn), backward, str(device), temperature, clip_eps, offload)
-    key = (id(model), checksum, inputs, spec, settings)
-    return key, checksum
-
-
 class ReferenceCache:
     """Least-recently-used References, at most `max_entries` of them and (when given) `max_bytes` of
     captured tensors in all. An entry holds its model weakly: it goes when the model does.
 
-    A hit needs the same model object with the same parameter and buffer values (checksum), the same
-    inputs and the same settings; anything else runs the reference again.
+    A hit needs the same key (see the module docstring for what it covers) and every object the key names
+    by identity still alive; anything else runs the reference again. `hits` and `misses` count lookups;
+    `skipped` counts calls for which the model could not be fingerprinted (the cache was not used).
     """
 
     def __init__(self, max_entries: int = 2, max_bytes: int | None = None) -> None:
@@ -446,7 +361,10 @@ class ReferenceCache:
         self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[Hashable, tuple[weakref.ref[Any], Reference]] = OrderedDict()
+        self.skipped = 0
+        self._entries: OrderedDict[Hashable, tuple[weakref.ref[Any], Reference, list[Callable[[], object]]]] = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -457,13 +375,17 @@ class ReferenceCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(ref.nbytes for _, ref in self._entries.values())
+        return sum(ref.nbytes for _, ref, _ in self._entries.values())
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def get(self, key: Hashable, model: object) -> Reference | None:
+    def get(self, keyed: CacheKey, model: object) -> Reference | None:
+        key = keyed.key
         entry = self._entries.get(key)
+        if entry is not None and any(anchor() is None for anchor in entry[2]):
+            del self._entries[key]  # an object the key names by id is gone: its id may now be another's
+            entry = None
         if entry is None or entry[0]() is not model:
             self.misses += 1
             return None
@@ -471,7 +393,8 @@ class ReferenceCache:
         self.hits += 1
         return entry[1].with_model(model)  # type: ignore[arg-type]
 
-    def put(self, key: Hashable, model: object, reference: Reference) -> None:
+    def put(self, keyed: CacheKey, model: object, reference: Reference) -> None:
+        key = keyed.key
         if self.max_bytes is not None and reference.nbytes > self.max_bytes:
             return
         entries = self._entries
@@ -479,7 +402,7 @@ class ReferenceCache:
         def drop(_: object) -> None:
             entries.pop(key, None)
 
-        entries[key] = (weakref.ref(model, drop), reference.with_model(None))
+        entries[key] = (weakref.ref(model, drop), reference.with_model(None), anchored(keyed.anchors))
         entries.move_to_end(key)
         while len(entries) > self.max_entries or (self.max_bytes is not None and self.nbytes > self.max_bytes):
             entries.popitem(last=False)
@@ -492,7 +415,7 @@ def reference(
     reference: str | Variant = "fp32",
     loss_fn: LossFn | None = None,
     backward: bool = True,
-    modules: Sequence[str] | None = None,
+    modules: Sequence[str] | str | None = None,
     device: str | torch.device | None = None,
     temperature: float = 1.0,
     clip_eps: float | None = None,

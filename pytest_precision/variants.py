@@ -57,7 +57,9 @@ class Variant:
     """One way of running the model, compared against the reference.
 
     name: the label used in reports and baselines.
-    dtype: the dtype parameters are cast to (floating buffers keep theirs, as transformers does).
+    dtype: the dtype parameters are cast to (floating buffers keep theirs, as transformers does, except the
+        running statistics of BatchNorm/InstanceNorm layers, which take their layer's dtype as with
+        `model.to(dtype)`: those layers refuse statistics of another dtype).
     autocast: keep fp32 weights and run the forward under `torch.autocast(dtype=dtype)` instead of casting.
     fp32_modules: full-match regexes of module names computed in fp32 at compute time (inputs and weights
         upcast, autocast off inside); "<output head>" names the model's output embeddings, tied or not.

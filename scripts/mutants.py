@@ -182,7 +182,12 @@ MUTANTS: list[Mutant] = [
     ),
     # baseline.py
     _m("baseline.py", 'return "inf" if value > 0 else "-inf"', 'return "inf"', "-inf written as inf"),
-    _m("baseline.py", '    if value == "-inf":\n        return -math.inf', '    if value == "-inf":\n        return math.inf', "-inf read as inf"),
+    _m(
+        "baseline.py",
+        '    if value == "-inf":\n        return -math.inf',
+        '    if value == "-inf":\n        return math.inf',
+        "-inf read as inf",
+    ),
     _m("baseline.py", "if version != SCHEMA_VERSION:", "if version is None:", "another schema version accepted"),
     _m(
         "baseline.py",
@@ -260,7 +265,7 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "comparison.py",
-        "logprob_dtype=torch.float64 if ref.variant.dtype == \"float64\" else torch.float32,",
+        'logprob_dtype=torch.float64 if ref.variant.dtype == "float64" else torch.float32,',
         "logprob_dtype=torch.float32,",
         "fp64 reference's log-probs in float32",
     ),
@@ -347,7 +352,12 @@ MUTANTS: list[Mutant] = [
         "frozen parameters trainable in the copy",
     ),
     _m("model_build.py", "keep_output_fp32=name == head", "keep_output_fp32=True", "every fp32 module returns fp32"),
-    _m("variants.py", 'return "float32" if self.autocast else self.dtype', "return self.dtype", "autocast casts weights"),
+    _m(
+        "variants.py",
+        'return "float32" if self.autocast else self.dtype',
+        "return self.dtype",
+        "autocast casts weights",
+    ),
     # references.py
     _m(
         "references.py",
