@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .assertion import assert_precision_within
-    from .comparison import compare
+    from .comparison import LowPrecisionReferenceWarning, compare
     from .cross_engine import compare_logprobs
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
     from .references import Reference, ReferenceCache, reference
     from .report import PrecisionReport, Record
+    from .session import PrecisionUnassertedWarning
     from .variants import BUILTIN_VARIANTS, Variant
 
 __version__ = "0.1.0"
@@ -24,6 +25,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "assert_precision_within": "assertion",
     "compare": "comparison",
+    "LowPrecisionReferenceWarning": "comparison",
+    "PrecisionUnassertedWarning": "session",
     "compare_logprobs": "cross_engine",
     "BaselineError": "errors",
     "ConfigurationError": "errors",
@@ -44,9 +47,11 @@ __all__ = [
     "BUILTIN_VARIANTS",
     "BaselineError",
     "ConfigurationError",
+    "LowPrecisionReferenceWarning",
     "ModelRunError",
     "PrecisionError",
     "PrecisionReport",
+    "PrecisionUnassertedWarning",
     "Record",
     "Reference",
     "ReferenceCache",

@@ -245,9 +245,12 @@ class _Runner:
                 f"{error} (check that the inputs' keys match forward()'s arguments, and their shapes, dtypes and "
                 "token ids what it expects)"
             )
+        hint = ""
+        if phase == "forward" and isinstance(error, IndexError):
+            hint = "; an index out of range: are the token ids below the model's vocabulary size?"
         return (
             f"{name} raised {type(error).__name__}: {error} in {phase} of run {variant.name!r} "
-            f"(inputs {self.batch.shapes()})"
+            f"(inputs {self.batch.shapes()}){hint}"
         )
 
     def _log_probabilities(self, model: nn.Module, output: Any, sink: Sink) -> None:

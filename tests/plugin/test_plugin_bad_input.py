@@ -224,8 +224,10 @@ batch = {"input_ids": torch.full((2, 5), 999), "labels": torch.zeros(2, 5, dtype
 precision.run(tiny_model(), batch, variants=["bf16"])
 """,
     )
-    assert first.startswith(
-        "ModelRunError: run 'fp32': TinyLM rejected the inputs {'input_ids': [2, 5], 'labels': [2, 5]}: IndexError: "
+    assert first == (
+        "ModelRunError: TinyLM raised IndexError: index out of range in self in forward of run 'fp32' (inputs "
+        "{'input_ids': [2, 5], 'labels': [2, 5]}); an index out of range: are the token ids below the model's "
+        "vocabulary size?"
     )
 
 

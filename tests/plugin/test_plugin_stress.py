@@ -51,7 +51,7 @@ def test_sixteen_baselines_survive_ten_parallel_updates(pytester, monkeypatch):
         assert_no_traceback(result)
         after = snapshot()
         assert [p.name for p in (pytester.path / "baselines").iterdir()] == ["test_stress"]
-        assert not list((pytester.path / "baselines").rglob(".*.tmp"))
+        assert not list((pytester.path / "baselines").rglob(".*.precision-tmp"))
         if before is not None:
             assert after == before, f"update run {attempt + 1} touched a baseline whose numbers did not move"
         before = after

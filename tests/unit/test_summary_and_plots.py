@@ -183,7 +183,7 @@ def test_write_summary_file_and_github_step_summary(tmp_path: Path, monkeypatch:
     appended = step.read_text(encoding="utf-8")  # ... the job summary is appended to
     assert appended.startswith("earlier step\n")
     assert appended.index("## first") < appended.index("## second")
-    assert not list((tmp_path / "out").glob("*.tmp"))
+    assert not list((tmp_path / "out").glob("*.precision-tmp"))
 
 
 def test_write_summary_without_github(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
