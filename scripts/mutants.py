@@ -80,6 +80,16 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/plugin/test_plugin_baselines.py",
         "tests/plugin/test_plugin_gate_trust.py",
     ),
+    "isolation.py": (
+        "tests/unit/test_run_isolation.py",
+        "tests/unit/test_compare.py",
+        "tests/unit/test_repeats_and_nonfinite.py",
+    ),
+    "fingerprint.py": (
+        "tests/unit/test_reference_cache_key.py",
+        "tests/unit/test_reference_files.py",
+        "tests/unit/test_reference.py",
+    ),
     "cross_engine.py": ("tests/unit/test_cross_engine.py", "tests/unit/test_cli_untrusted.py"),
     "cli.py": ("tests/unit/test_cli.py", "tests/unit/test_cli_untrusted.py"),
 }
@@ -138,8 +148,8 @@ MUTANTS: list[Mutant] = [
     # tolerance.py
     _m(
         "tolerance.py",
-        "expected * (1 - tolerance.rtol) - tolerance.atol",
-        "expected * (1 - tolerance.rtol) + tolerance.atol",
+        "_scaled(expected, 1 - tolerance.rtol) - tolerance.atol",
+        "_scaled(expected, 1 - tolerance.rtol) + tolerance.atol",
         "atol added for higher-is-better metrics",
     ),
     _m(
@@ -169,11 +179,11 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "tolerance.py",
-        "failed = _magnitude(metric, value) > bound",
-        "failed = value > bound",
+        "return _magnitude(metric, value) > bound",
+        "return value > bound",
         "limits on the raw value, not its magnitude",
     ),
-    _m("tolerance.py", "failed = value < bound", "failed = value <= bound", "higher-is-better limit inclusive"),
+    _m("tolerance.py", "return value < bound", "return value <= bound", "higher-is-better limit inclusive"),
     _m(
         "tolerance.py",
         "return obtained > max(expected * (1 + tolerance.rtol) + tolerance.atol, expected + noise)",
@@ -202,7 +212,7 @@ MUTANTS: list[Mutant] = [
         "class name dropped from the stem",
     ),
     # comparison.py
-    _m("comparison.py", "torch.default_generator.manual_seed(RUN_SEED)", "pass", "runs not seeded"),
+    _m("isolation.py", "torch.default_generator.manual_seed(RUN_SEED)", "pass", "runs not seeded"),
     _m(
         "comparison.py",
         "math.floor(math.log2(FP16_MAX / max_gradient / 4))",
@@ -360,7 +370,7 @@ MUTANTS: list[Mutant] = [
     ),
     # references.py
     _m(
-        "references.py",
+        "fingerprint.py",
         "weighted = torch.dot(piece, weights[: piece.numel()]) * (1.0 + index * _CHUNK_FACTOR)",
         "weighted = torch.dot(piece, weights[: piece.numel()])",
         "checksum blind to a value moved to the same offset of another chunk",
@@ -372,7 +382,7 @@ MUTANTS: list[Mutant] = [
         "cache hit for another model object",
     ),
     _m(
-        "references.py",
+        "fingerprint.py",
         "described = (tuple(value.shape), str(value.dtype), str(value.device), bool(value.requires_grad))",
         "described = (tuple(value.shape), str(value.device), bool(value.requires_grad))",
         "input dtype left out of the cache key",
@@ -389,5 +399,164 @@ MUTANTS: list[Mutant] = [
         "if test in self.collected and (test not in self.checked or file_device != current_device):",
         "if test in self.collected and test not in self.checked:",
         "stale check ignores the device suffix",
+    ),
+    # --- mutants of the code written for issue 10 ---
+    # tolerance.py: undefined metrics, settings
+    _m(
+        "tolerance.py",
+        "if old is None and new is None and undefined_by_reference(record, metric):",
+        "if old is None or new is None:",
+        "an undefined metric skipped silently",
+    ),
+    _m(
+        "tolerance.py",
+        "    if metric in _RELATIVE and record.ref_rms == 0:\n        return True",
+        "    if metric in _RELATIVE:\n        return True",
+        "every relative metric excused as undefined by its reference",
+    ),
+    _m("tolerance.py", "if math.isnan(number):", "if number != number and False:", "NaN accepted as a tolerance"),
+    _m(
+        "tolerance.py",
+        "if isinstance(value, bool) or not isinstance(value, Real):",
+        "if not isinstance(value, Real):",
+        "True accepted as a tolerance of 1",
+    ),
+    _m(
+        "tolerance.py",
+        "if minimum is not None and number < minimum:",
+        "if minimum is not None and number < minimum - 1:",
+        "negative tolerance accepted",
+    ),
+    _m(
+        "tolerance.py",
+        "return math.isinf(self.rtol) or math.isinf(self.atol)",
+        "return math.isinf(self.rtol) and math.isinf(self.atol)",
+        "rtol=inf alone not unbounded",
+    ),
+    _m(
+        "tolerance.py",
+        'm != "nonfinite" and defined_value(record, m) is None and not undefined_by_reference(record, m)',
+        'm != "nonfinite" and record.metric(m) is None and not undefined_by_reference(record, m)',
+        "a NaN metric counted as defined",
+    ),
+    # baseline.py: validation, names, temporaries, ownership
+    _m("baseline.py", 'if ".." in re.split(r"[/\\\\]", stem):', "if False:", "'..' allowed in a baseline name"),
+    _m(
+        "baseline.py",
+        "if size > MAX_STEM_BYTES:",
+        "if size > 4 * MAX_STEM_BYTES:",
+        "over-long baseline names accepted",
+    ),
+    _m(
+        "baseline.py",
+        'if stem.split(".", 1)[0].strip().upper() in RESERVED_NAMES:',
+        "if stem.strip().upper() in RESERVED_NAMES:",
+        "reserved device names with an extension accepted",
+    ),
+    _m(
+        "baseline.py",
+        'if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:\n        return None',
+        "if not isinstance(data, dict):\n        return None",
+        "a JSON of another schema counted as the plugin's own file",
+    ),
+    _m(
+        "baseline.py",
+        'dead = age > DEAD_WRITER_GRACE_SECONDS and not _process_alive(int(match["pid"]))',
+        "dead = True",
+        "a live writer's temporary file swept away",
+    ),
+    # session.py and plugin.py: gate, stale files, unasserted runs
+    _m(
+        "session.py",
+        "            if self.is_protected(test):\n                continue",
+        "            if False:\n                continue",
+        "files of uncollectable modules called stale",
+    ),
+    _m(
+        "session.py",
+        "            if data is None:\n                continue",
+        '            if data is None:\n                data = {"test": ""}',
+        "foreign JSON files called stale",
+    ),
+    # batch.py, model_build.py, isolation.py, comparison.py: runs isolated
+    _m(
+        "batch.py",
+        "moved = value.detach().to(device=device, dtype=wanted, copy=True)",
+        "moved = value.detach().to(device=device, dtype=wanted)",
+        "inputs not copied: a forward writing them in place changes the caller's",
+    ),
+    _m(
+        "batch.py",
+        'return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)',
+        "return tuple(items)",
+        "namedtuple inputs lose their type",
+    ),
+    _m(
+        "model_build.py",
+        "        if model in self._models:",
+        "        if False:",
+        "a factory's repeated model accepted",
+    ),
+    _m(
+        "isolation.py",
+        "        stack.enter_context(torch.inference_mode(False))\n",
+        "",
+        "the caller's inference_mode leaks into the runs",
+    ),
+    _m(
+        "isolation.py",
+        "                stack.enter_context(torch.autocast(device_type=device_type, enabled=False))",
+        "                pass",
+        "the caller's autocast leaks into the runs",
+    ),
+    _m(
+        "comparison.py",
+        "self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite",
+        "self.finite[kind] = finite",
+        "a non-finite reference tensor forgotten once a later one is finite",
+    ),
+    _m(
+        "comparison.py",
+        "        if nonfinite:\n",
+        "        if nonfinite and False:\n",
+        "a non-finite reference measured against",
+    ),
+    # fingerprint.py: the cache key
+    _m(
+        "fingerprint.py",
+        "parts.append((name, id(type(module)), module.training, hooks, attributes))",
+        "parts.append((name, id(type(module)), hooks, attributes))",
+        "a submodule's training flag left out of the cache key",
+    ),
+    _m(
+        "fingerprint.py",
+        "hooks = tuple((hook_dict, tuple(state.get(hook_dict, {}))) for hook_dict in _HOOK_DICTS)",
+        "hooks = ()",
+        "hooks left out of the cache key",
+    ),
+    _m(
+        "fingerprint.py",
+        "requires_grad = tuple(p.requires_grad for p in model.parameters())",
+        "requires_grad = ()",
+        "requires_grad left out of the cache key",
+    ),
+    # cli.py and cross_engine.py: diff rules, untrusted files
+    _m(
+        "cli.py",
+        'lines = [f"dropped variant {variant}" for variant in old.variants if variant not in new.variants]',
+        "lines: list[str] = []",
+        "diff passes when NEW drops a variant",
+    ),
+    _m(
+        "cli.py",
+        "            if record.nonfinite > previous.nonfinite:",
+        "            if record.nonfinite > previous.nonfinite + 1:",
+        "diff tolerates one more non-finite value",
+    ),
+    _m(
+        "cross_engine.py",
+        'content = content.astype(content.dtype.newbyteorder("="))',
+        'content = content.view(content.dtype.newbyteorder("="))',
+        "big-endian log-probs reinterpreted instead of converted",
     ),
 ]
