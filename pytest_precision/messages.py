@@ -18,7 +18,7 @@ MAX_ROWS = 20
 # so that the first row is where precision was first lost.
 _KIND_ORDER = {"fw": 0, "logprob": 1, "loss": 2, "bw": 3, "grad": 4, "*": 5}
 
-REFRESH_TEMPLATE = "pytest {nodeid} --update-baselines"
+REFRESH_TEMPLATE = "pytest {nodeid} {flag}"
 #: A metric without a value, in tables.
 UNDEFINED = "undefined"
 #: Why a metric can be undefined in a run, for messages.
@@ -29,7 +29,10 @@ UNDEFINED_CAUSES = (
 
 
 def refresh_command(nodeid: str) -> str:
-    return REFRESH_TEMPLATE.format(nodeid=shlex.quote(nodeid))
+    """The command that refreshes one test's baseline, with the update flag this session answers to."""
+    from .session import UPDATE_FLAGS
+
+    return REFRESH_TEMPLATE.format(nodeid=shlex.quote(nodeid), flag=UPDATE_FLAGS[-1])
 
 
 def execution_order(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> list[Violation]:

@@ -28,6 +28,7 @@ from .session import (  # noqa: E402
     OPTION_UPDATE,
     SESSION_KEY,
     TABLES_KEY,
+    UPDATE_FLAGS,
     PrecisionRunner,
     PrecisionSession,
     PrecisionUnassertedWarning,
@@ -146,6 +147,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("precision_gpu") is None:
         config.option.precision_gpu = bool(config.getini("precision_gpu"))
     session = PrecisionSession.from_config(config)
+    UPDATE_FLAGS[:] = ["--precision-update" if config.stash.get(ALIAS_TAKEN_KEY, False) else UPDATE_ALIAS]
     if config.stash.get(ALIAS_TAKEN_KEY, False):
         session.notes.append(
             f"{UPDATE_ALIAS} belongs to another plugin or conftest here and keeps its meaning there; "
@@ -159,6 +161,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if session.gpu:
         session.device = _pin_gpu(config)
     config.stash[SESSION_KEY] = session
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    UPDATE_FLAGS[:] = [UPDATE_ALIAS]  # a later session in this process (pytester) starts from the default
 
 
 def _pin_gpu(config: pytest.Config) -> str:

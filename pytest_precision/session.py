@@ -30,6 +30,9 @@ OPTION_REPORT = "precision_report"
 #: dest of --precision-update and --update-baselines (not "update_baselines": a conftest or plugin that
 #: defines its own --update-baselines gets that dest by default, and must not switch this plugin's mode).
 OPTION_UPDATE = "precision_update"
+#: The flag that refreshes baselines in this process, as failure messages print it: --precision-update when
+#: another plugin or conftest owns --update-baselines (set by the plugin at configure time).
+UPDATE_FLAGS = ["--update-baselines"]
 #: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
 DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability")
 

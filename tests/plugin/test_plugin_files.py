@@ -465,6 +465,8 @@ def test_update_baselines_defined_elsewhere_leaves_precision_update(pytester, mo
     result.stdout.fnmatch_lines(["*project option: True", note, "precision baselines (compare, baselines): 1 missing"])
     assert output(result).count("--update-baselines belongs to another plugin") == 1
     assert not (pytester.path / "baselines").exists()
+    # The failure tells the command that works here, not the project's own --update-baselines.
+    result.stdout.fnmatch_lines(["*Create it with: pytest test_gate.py::test_name --precision-update*"])
 
     result = run(pytester, *args, "-s", "--precision-update")
     result.assert_outcomes(passed=1)
