@@ -665,7 +665,7 @@ def _warn_low_precision_weights(model: nn.Module, reference: Variant) -> None:
 class _ReferenceKeeper:
     """The reference run's sink: keeps each tensor (see _run_reference) and the largest |gradient|."""
 
-    def __init__(self, stored: dict[TensorKey, torch.Tensor], inputs: Batch, *, offload: bool, clone_all: bool) -> None:
+    def __init__(self, stored: dict[TensorKey, torch.Tensor], *, offload: bool, clone_all: bool) -> None:
         self.stored = stored
         self.offload = offload
         self.clone_all = clone_all
@@ -673,10 +673,8 @@ class _ReferenceKeeper:
         self.largest_gradient = LargestGradient()
         #: Per kind, whether every tensor so far was finite: device-side flags, read once after the run.
         self.finite: dict[str, torch.Tensor] = {}
-        # The caller's floating input tensors (what a captured tensor can alias): a module returning its input
-        # as is (dropout in eval) must not make the reference hold the caller's storage, which the caller may
-        # write later.
-        self.input_storages = {t.untyped_storage().data_ptr() for t in floating_tensors((inputs.args, inputs.kwargs))}
+        # A module returning its input as is (dropout in eval) hands over the run's own copy of the caller's
+        # tensor (Batch.on), never the caller's storage: keeping it without a copy is safe.
         stored.clear()
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
@@ -687,8 +685,7 @@ class _ReferenceKeeper:
         if kept.is_floating_point() and kept.numel():
             finite = torch.isfinite(kept).all()
             self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite
-        shares_input = kept.untyped_storage().data_ptr() in self.input_storages
-        version = None if self.clone_all or self.offload or shares_input else _version_of(kept)
+        version = None if self.clone_all or self.offload else _version_of(kept)
         if version is None:
             kept = kept.to("cpu", copy=True) if self.offload else kept.clone()
         else:
@@ -708,12 +705,13 @@ def _run_reference(
     A later in-place op in the model must not change what was captured. Rather than cloning every tensor, each
     is kept as produced with its version counter; should any have been written in place by the end of the run
     (rare: in-place residual adds, gradient buffers reused by autograd), the run is repeated cloning every
-    tensor. Views, tensors without a version counter (inference mode) and the caller's own input tensors are
-    cloned at once. A reference producing NaN/Inf is a ModelRunError saying where they started.
+    tensor. Views and tensors without a version counter (inference mode) are cloned at once; a module returning
+    its input returns the run's own copy of it (Batch.on), never the caller's tensor. A reference producing
+    NaN/Inf is a ModelRunError saying where they started.
     """
     import torch
 
-    keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=False)
+    keeper = _ReferenceKeeper(stored, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
     if keeper.finite:
         flags = torch.stack(list(keeper.finite.values())).tolist()  # the run's one host sync for this check
@@ -722,7 +720,7 @@ def _run_reference(
             stored.clear()
             raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
     if not keeper.untouched():
-        keeper = _ReferenceKeeper(stored, runner.batch, offload=offload, clone_all=True)
+        keeper = _ReferenceKeeper(stored, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
     return info, keeper.largest_gradient.value()
 

@@ -410,11 +410,14 @@ def test_diff_fails_when_a_metric_becomes_undefined(
     assert row[:4] == ["fp16", "model.layers.1", "fw", "rms_rel"] and row[-1] == "UNDEFINED"
 
 
-def test_diff_fails_when_nonfinite_values_appear(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("count", [1, 12])  # a single new NaN counts
+def test_diff_fails_when_nonfinite_values_appear(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, count: int
+) -> None:
     data = baseline_data()
-    record_of(data, "bf16", "lm_head", "fw")["nonfinite"] = 12
+    record_of(data, "bf16", "lm_head", "fw")["nonfinite"] = count
     code, lines = diff_against(capsys, tmp_path, data)
-    assert code == 1 and lines[1] == "  bf16 lm_head (fw): nonfinite 0 -> 12"
+    assert code == 1 and lines[1] == f"  bf16 lm_head (fw): nonfinite 0 -> {count}"
 
 
 def test_diff_passes_fewer_nonfinite_and_a_new_variant(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

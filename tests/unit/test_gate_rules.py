@@ -361,3 +361,48 @@ def test_messages_say_which_side_is_undefined_and_why():
     refusal = undefined_message([("bf16", empty, ["rms_rel"])], Path("b.json")).splitlines()
     assert refusal[0].startswith("not writing b.json: 1 gated tensor(s) have nothing to compare")
     assert refusal[1] == "  bf16  layers.0 (fw): rms_rel undefined (0 of 32 values compared)"
+
+
+# --- a bound met exactly, and the improvement threshold ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metric", "value"), [("correlation", 0.99), ("sqnr_db", 30.0), ("rms_rel", 0.02), ("bias_rel", -0.02)]
+)
+def test_a_value_exactly_at_its_limit_passes(metric, value):
+    """A limit is inclusive: a minimum (correlation, sqnr_db) or maximum (|value|) met exactly holds."""
+    assert check_limits({"bf16": [record(**{metric: value})]}, {"fw": {metric: abs(value)}}) == []
+
+
+@pytest.mark.parametrize(
+    ("metric", "expected", "obtained", "improved"),
+    [
+        # higher is better: an improvement must clear expected * (1 + rtol) + atol = 0.9 * 1.1 + 1e-5
+        ("correlation", 0.9, 0.95, False),
+        ("correlation", 0.9, 0.9901, True),
+        ("sqnr_db", 30.0, 32.0, False),
+        ("sqnr_db", 30.0, 33.1, True),
+        # lower is better: below expected * (1 - rtol) - atol = 0.01 * 0.9 - 1e-5
+        ("rms_rel", 0.01, 0.0095, False),
+        ("rms_rel", 0.01, 0.0089, True),
+    ],
+)
+def test_an_improvement_must_clear_the_tolerance(metric, expected, obtained, improved):
+    tolerance = Tolerance()
+    assert is_better(metric, expected, obtained, tolerance) is improved
+    assert not is_worse(metric, expected, obtained, tolerance)
+    check = gate(record(**{metric: expected}), record(**{metric: obtained}), metrics=(metric,))
+    assert [v.metric for v in check.improvements] == ([metric] if improved else [])
+    assert check.violations == []
+
+
+def test_a_nan_relative_metric_of_a_nonzero_reference_is_not_excused():
+    """NaN on both sides with ref_rms > 0 is nothing compared, not a property of the reference: it fails, and an
+    update refuses it."""
+    nan = record(rms_rel=math.nan)
+    assert undefined_metrics(nan, ["rms_rel"]) == ["rms_rel"]
+    check = gate(nan, record(rms_rel=math.nan))
+    assert [(v.reason, v.metric) for v in check.violations] == [("undefined", "rms_rel")]
+    zero_reference = record(ref_rms=0.0, rms_rel=None)
+    assert undefined_metrics(zero_reference, ["rms_rel"]) == []
+    assert gate(zero_reference, record(ref_rms=0.0, rms_rel=None)).violations == []

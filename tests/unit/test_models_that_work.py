@@ -232,3 +232,91 @@ def test_a_pinned_block_hands_the_next_block_its_own_dtype() -> None:
     variant = Variant("bf16_first_fp32", dtype="bfloat16", fp32_modules=("0",))
     report = compare(model, torch.randn(3, 4), [variant], loss_fn=lambda out, _inputs: out.sum())
     assert report.get("bf16_first_fp32", "2").rms_rel
+
+
+# Which tensor a module's row is, and which modules are captured by default.
+
+
+class TokenLossLM(nn.Module):
+    """Returns an unreduced (per-token) loss before its logits, as some training code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.embed(ids))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="none").view(ids.shape)
+        return {"loss": loss, "logits": logits}
+
+
+class Wrapper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = TokenLossLM()
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.inner(ids)
+        return {"loss": out["loss"].mean(), "logits": out["logits"]}
+
+
+def test_a_modules_row_is_its_output_not_a_loss_it_returns_first() -> None:
+    ids = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(0))
+    report = compare(Wrapper(), {"ids": ids}, ["bf16"], modules=["inner"])
+    assert report.get("bf16", "inner").shape == (2, 5, 16)  # the logits, not the (2, 5) per-token loss
+
+
+class TwoLists(nn.Module):
+    """A small adapter list beside the main block list: the default selection takes the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.adapters = nn.ModuleList(nn.Linear(8, 8, bias=False) for _ in range(2))
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = self.embed(ids)
+        for adapter in self.adapters:
+            x = x + 0.1 * adapter(x)
+        for block in self.blocks:
+            x = x + torch.tanh(block(x))
+        logits = self.head(x)
+        return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()), "logits": logits}
+
+
+def test_the_default_selection_takes_the_block_list_with_most_parameters() -> None:
+    from pytest_precision.capture import default_module_names
+
+    names = default_module_names(TwoLists())
+    assert names == ["embed", "blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_padding_and_ignored_labels_both_leave_positions_out() -> None:
+    from pytest_precision.batch import Batch
+
+    attention = np.array([[0, 1, 1, 1], [1, 1, 1, 0]])
+    labels = np.array([[5, 6, -100, 7], [1, 2, 3, 4]])
+    batch = Batch((), {"attention_mask": torch.tensor(attention), "labels": torch.tensor(labels)})
+    expected = (attention != 0) & (labels != -100)
+    mask = batch.mask(torch.device("cpu"))
+    assert mask is not None
+    assert np.array_equal(mask.numpy(), expected)
+    assert batch.token_count() == int(expected.sum())
+
+
+def test_the_clip_fraction_counts_ratios_outside_the_ppo_band() -> None:
+    """clip: exp(delta) outside [1 - eps, 1 + eps], i.e. delta outside [log(0.8), log(1.2)] = [-0.223, 0.182]."""
+    from pytest_precision.logprobs import log_ratio_stats
+
+    delta = np.array([[0.19, -0.21, 0.0, 0.17], [-0.23, 0.3, 0.01, -0.1]])
+    valid = np.ones_like(delta, dtype=bool)
+    ratio = np.exp(delta)
+    expected = float(((ratio < 0.8) | (ratio > 1.2)).mean())
+    stats = log_ratio_stats(torch.tensor(delta), torch.tensor(valid), clip_eps=0.2)
+    assert stats.clip_fraction == pytest.approx(expected, abs=0)
+    assert expected == 3 / 8  # 0.19 and 0.3 above 1.2, -0.23 below 0.8; -0.21 is inside the band

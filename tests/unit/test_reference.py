@@ -221,11 +221,11 @@ def test_clear_errors(llama: nn.Module) -> None:
 
 @pytest.mark.parametrize("chunk", [None, 64])  # one chunk per tensor; several
 def test_the_parameter_checksum_sees_any_edit_or_moved_value(monkeypatch, chunk):
-    from pytest_precision import metrics, references
+    from pytest_precision import fingerprint, metrics, references
 
     if chunk is not None:
         monkeypatch.setattr(metrics, "CPU_CHUNK_ELEMENTS", chunk)
-        monkeypatch.setattr(references, "_CHUNK_WEIGHTS", {})
+        monkeypatch.setattr(fingerprint, "_CHUNK_WEIGHTS", {})
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)  # 256 weights: 4 chunks of 64
     original = references.state_checksum(model)
@@ -235,7 +235,12 @@ def test_the_parameter_checksum_sees_any_edit_or_moved_value(monkeypatch, chunk)
         changed = copy.deepcopy(model)
         with torch.no_grad():
             edit(changed.weight.view(-1))
-        return references.state_checksum(changed)
+        checksum = references.state_checksum(changed)
+        # Seen by more than float64 rounding: a sum that differs in its last bit only is luck, not detection.
+        sums, original_sums = checksum[1][1], original[1][1]
+        if max(abs(a - b) / max(abs(b), 1e-300) for a, b in zip(sums, original_sums, strict=True)) < 1e-12:
+            return original
+        return checksum
 
     def swap(i: int, j: int):
         def apply(flat: torch.Tensor) -> None:

@@ -355,3 +355,15 @@ def test_the_loss_fn_and_prepare_are_named_by_identity_and_anchored() -> None:
     assert any(a is loss for a in keyed.anchors) and any(a is prepare for a in keyed.anchors)
     other = cache_key(net, to_batch(inputs()), variant, loss_fn=lambda out, _i: out.sum(), **settings)
     assert other is not None and other.key != keyed.key
+
+
+def test_an_input_that_starts_requiring_grad_is_a_new_reference() -> None:
+    """The same values with requires_grad on give the first block a bw row: a cached reference without it would
+    lack the tensor the variant produces."""
+    cache = ReferenceCache()
+    model, x = Net(), inputs()
+    first = compare(model, x, ["bf16"], loss_fn=loss, cache=cache)
+    assert [r.name for r in first.records("bf16", "bw")] == ["blocks.1"]
+    second = compare(model, x.clone().requires_grad_(True), ["bf16"], loss_fn=loss, cache=cache)
+    assert (cache.hits, cache.misses) == (0, 2)
+    assert [r.name for r in second.records("bf16", "bw")] == ["blocks.1", "blocks.0"]
