@@ -313,10 +313,10 @@ def test_the_clip_fraction_counts_ratios_outside_the_ppo_band() -> None:
     """clip: exp(delta) outside [1 - eps, 1 + eps], i.e. delta outside [log(0.8), log(1.2)] = [-0.223, 0.182]."""
     from pytest_precision.logprobs import log_ratio_stats
 
-    delta = np.array([[0.19, -0.21, 0.0, 0.17], [-0.23, 0.3, 0.01, -0.1]])
+    delta = np.array([[0.19, -0.21, 0.0, 0.17], [-0.23, 0.3, 0.185, -0.1]])
     valid = np.ones_like(delta, dtype=bool)
     ratio = np.exp(delta)
     expected = float(((ratio < 0.8) | (ratio > 1.2)).mean())
     stats = log_ratio_stats(torch.tensor(delta), torch.tensor(valid), clip_eps=0.2)
     assert stats.clip_fraction == pytest.approx(expected, abs=0)
-    assert expected == 3 / 8  # 0.19 and 0.3 above 1.2, -0.23 below 0.8; -0.21 is inside the band
+    assert expected == 4 / 8  # 0.19, 0.185 and 0.3 above 1.2, -0.23 below 0.8; -0.21 is inside the band
