@@ -169,8 +169,8 @@ METRIC_FIELDS: tuple[str, ...] = tuple(
 REQUIRED_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "nonfinite")
 
 
-def _restored(value: Any) -> Any:
-    """A metric as written: "inf" / "-inf" back to infinities."""
+def restored_float(value: Any) -> Any:
+    """A float as json_ready wrote it: "inf" / "-inf" back to infinities; anything else as it is."""
     if value == "inf":
         return math.inf
     if value == "-inf":
@@ -242,7 +242,7 @@ class Baseline:
 
     def records(self) -> dict[str, list[Record]]:
         return {
-            name: [Record.from_dict(_restored_record(r)) for r in entry["records"]]
+            name: [Record.from_dict(restored_record(r)) for r in entry["records"]]
             for name, entry in self.data["variants"].items()
         }
 
@@ -256,8 +256,9 @@ class Baseline:
         return scales
 
 
-def _restored_record(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: _restored(v) if k in METRIC_FIELDS else v for k, v in record.items()}
+def restored_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as written, its metric fields' "inf" / "-inf" made floats (a tensor named "inf" stays a name)."""
+    return {k: restored_float(v) if k in METRIC_FIELDS else v for k, v in record.items()}
 
 
 _LITERAL_HINT = 'which JSON does not allow (an undefined metric is null, an infinite one "inf" or "-inf")'

@@ -4,7 +4,6 @@ one (binary, not UTF-8, not JSON, of the wrong shape anywhere) is a PrecisionErr
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +37,8 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def _restored_records(variants: Any) -> Any:
     """A session report's variants with the strings "inf" / "-inf" it writes for infinities made floats."""
+    from .baseline import restored_record
+
     if not isinstance(variants, dict):
         raise TypeError(f"'variants' is a JSON {type(variants).__name__}, not an object")
     restored = {}
@@ -45,12 +46,8 @@ def _restored_records(variants: Any) -> Any:
         records = entry["records"]
         if not isinstance(records, list):
             raise TypeError(f"variant {name!r}: 'records' is a JSON {type(records).__name__}, not a list")
-        restored[name] = {**entry, "records": [{k: _restored(v) for k, v in r.items()} for r in records]}
+        restored[name] = {**entry, "records": [restored_record(r) for r in records]}
     return restored
-
-
-def _restored(value: Any) -> Any:
-    return {"inf": math.inf, "-inf": -math.inf}.get(value, value) if isinstance(value, str) else value
 
 
 #: Record fields that are not metrics (checked apart).

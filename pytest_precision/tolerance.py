@@ -237,20 +237,20 @@ class ToleranceRules:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToleranceRules:
         """The rules `to_dict` wrote (also after json_ready: "inf" / "-inf" strings are read back)."""
+        from .baseline import restored_float
+
         base = data.get("base") or {}
         return cls(
-            base=Tolerance(rtol=_number(base.get("rtol", DEFAULT_RTOL)), atol=_number(base.get("atol", DEFAULT_ATOL))),
-            rtol=None if data.get("rtol") is None else _number(data["rtol"]),
-            atol=None if data.get("atol") is None else _number(data["atol"]),
+            base=Tolerance(
+                rtol=restored_float(base.get("rtol", DEFAULT_RTOL)), atol=restored_float(base.get("atol", DEFAULT_ATOL))
+            ),
+            rtol=None if data.get("rtol") is None else restored_float(data["rtol"]),
+            atol=None if data.get("atol") is None else restored_float(data["atol"]),
             per_tensor={
-                str(key): {k: _number(v) for k, v in values.items()} for key, values in data.get("tolerances") or []
+                str(key): {k: restored_float(v) for k, v in values.items()}
+                for key, values in data.get("tolerances") or []
             },
         )
-
-
-def _number(value: Any) -> Any:
-    """A float written by json_ready: "inf" / "-inf" back to infinities; anything else as it is."""
-    return {"inf": math.inf, "-inf": -math.inf}.get(value, value) if isinstance(value, str) else value
 
 
 def _check_key(key: object, argument: str) -> None:

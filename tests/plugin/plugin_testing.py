@@ -223,3 +223,12 @@ def record_rows(path: Path, variant: str = "bf16") -> list[tuple[str, str]]:
 
 
 warm_up()
+
+
+def stale_lines(result: pytest.RunResult) -> list[str]:
+    """The "precision stale baselines" summary line and the files listed under it."""
+    lines = output(result).splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("precision stale baselines")), None)
+    if start is None:
+        return []
+    return [lines[start], *(line.strip() for line in lines[start + 1 :] if line.startswith("  baselines/"))]

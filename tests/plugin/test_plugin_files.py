@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from plugin_testing import SIMPLE_TEST, assert_no_traceback, baseline_file, failure, output, project, run
+from plugin_testing import SIMPLE_TEST, assert_no_traceback, baseline_file, failure, output, project, run, stale_lines
 
 TWO_TESTS = """
 from tinymodel import run
@@ -22,14 +22,6 @@ def test_one(precision, assert_precision_within):
 def test_two(precision, assert_precision_within):
     assert_precision_within(run(precision))
 """
-
-
-def stale_lines(result: pytest.RunResult) -> list[str]:
-    lines = output(result).splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("precision stale baselines")), None)
-    if start is None:
-        return []
-    return [lines[start], *(line.strip() for line in lines[start + 1 :] if line.startswith("  baselines/"))]
 
 
 def copy_for(source: Path, target: Path, test: str, **changes: object) -> Path:

@@ -7,7 +7,7 @@ import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
-from plugin_testing import SIMPLE_TEST, baseline_file, degrade, failure, output, project, run
+from plugin_testing import SIMPLE_TEST, baseline_file, degrade, failure, output, project, run, stale_lines
 
 TWO_TESTS = """
 import pytest
@@ -22,14 +22,6 @@ def test_one(precision, assert_precision_within):
 def test_gpu_only(precision, assert_precision_within):
     assert_precision_within(run(precision))
 """
-
-
-def stale_lines(result: pytest.RunResult) -> list[str]:
-    lines = output(result).splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("precision stale baselines")), None)
-    if start is None:
-        return []
-    return [lines[start], *(line.strip() for line in lines[start + 1 :] if line.startswith("  baselines/"))]
 
 
 def test_stale_baselines_are_listed_after_full_runs_only_and_pruned_on_request(pytester, monkeypatch):
