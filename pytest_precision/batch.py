@@ -98,11 +98,4 @@ def to_batch(inputs: object) -> Batch:
     )
 
 
-def apply_mask(tensor: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Keep only counted positions of a (batch, seq, ...) tensor; other tensors pass through whole."""
-    if mask is None or tensor.dim() < 2 or tuple(tensor.shape[:2]) != tuple(mask.shape):
-        return tensor
-    return tensor[mask.to(tensor.device)]
-
-
-__all__ = ["Batch", "apply_mask", "to_batch"]
+__all__ = ["Batch", "to_batch"]

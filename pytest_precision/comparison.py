@@ -12,14 +12,31 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .backend_flags import flags_to_dict, pinned_backend
-from .batch import Batch, apply_mask, to_batch
+from .batch import Batch, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
 from .errors import ConfigurationError, ModelRunError, PrecisionError
 from .fingerprint import cache_key, state_checksum
 from .isolation import ambient_modes_off, default_device, preserved_rng, seed_run
-from .logprobs import DEFAULT_CLIP_EPS, chosen_logprobs, distribution_stats, log_ratio_stats, next_token_targets
-from .metrics import tensor_error
+from .logprobs import (
+    DEFAULT_CLIP_EPS,
+    chosen_logprobs,
+    distribution_from_sums,
+    distribution_sums,
+    log_ratio_from_sums,
+    log_ratio_sums,
+)
+from .metrics import (
+    TensorError,
+    error_sums,
+    exact_error,
+    exact_sums,
+    fast_error,
+    fast_pass_applies,
+    reference_sums,
+    to_host,
+)
 from .model_build import FactoryProducts, ModelFactory, build_run_model
+from .positions import Positions, batch_positions, select_positions
 from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
 from .variants import Variant, resolve_reference, resolve_variants, torch_dtype
@@ -136,6 +153,7 @@ class _Runner:
         logprob_dtype: torch.dtype,
         repeats: int = 1,
         products: FactoryProducts | None = None,
+        positions: Positions | None = None,
     ) -> None:
         self.source = source
         self.products = FactoryProducts() if products is None else products
@@ -146,24 +164,18 @@ class _Runner:
         self.backward = backward
         self.modules = modules
         self.module_names: list[str] | None = None
-        self.mask = batch.mask(device)
-        if self.mask is not None and bool(self.mask.all()):
-            self.mask = None  # every position counts: tensors are measured whole, without a masked copy
+        self.positions = batch_positions(batch, device) if positions is None else positions
         self.temperature = temperature
         self.clip_eps = clip_eps
         self.logprob_dtype = logprob_dtype
-        self.targets: torch.Tensor | None = None
-        self.valid: torch.Tensor | None = None
-        input_ids = batch.kwargs.get("input_ids")
-        labels = batch.kwargs.get("labels")
-        ids = input_ids if input_ids is not None else labels
-        if ids is not None and ids.dim() == 2 and not ids.is_floating_point():
-            attention = batch.kwargs.get("attention_mask")
-            self.targets, self.valid = next_token_targets(
-                ids.to(device),
-                labels.to(device) if labels is not None and labels.dim() == 2 else None,
-                attention.to(device) if attention is not None and attention.dim() == 2 else None,
-            )
+
+    @property
+    def targets(self) -> torch.Tensor | None:
+        return self.positions.targets
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        return self.positions.valid
 
     def run(
         self, variant: Variant, sink: Sink, loss_scale: float = 1.0, *, origin: dict[str, str] | None = None
@@ -227,7 +239,7 @@ class _Runner:
                 parameter_dtypes=_dtype_counts(model.parameters()),
                 buffer_dtypes=_dtype_counts(b for b in model.buffers() if b.is_floating_point()),
                 input_shapes=self.batch.shapes(),
-                token_count=self.batch.token_count(),
+                token_count=self.positions.token_count,
                 backend=flags_to_dict(flags),
                 parameter_categories=categories,
                 tied_head=tied,
@@ -262,7 +274,7 @@ class _Runner:
             or not self.targets.numel()  # sequences of length 1: no position predicts a next token
             or not _is_causal_lm(model)
             or tuple(logits.shape[:2]) != (self.targets.shape[0], self.targets.shape[1] + 1)
-            or int(self.targets.max()) >= logits.shape[-1]  # logits over tags or classes, not the vocabulary
+            or self.positions.targets_max >= logits.shape[-1]  # logits over tags or classes, not the vocabulary
         ):
             return
         if self.backward and logits.requires_grad:
@@ -274,16 +286,19 @@ class _Runner:
         sink("logprob", "logprob", logprobs)
 
     def masked(self, name: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The positions of `tensor` that count for its metrics."""
-        import torch
-
+        """The positions of `tensor` that count for its metrics (an index_select: no host sync)."""
+        positions = self.positions
         if kind == "logprob":
-            return apply_mask(tensor, self.valid)
-        if kind == "bw" and name == "logits" and self.valid is not None:
+            return select_positions(tensor, _shape(positions.valid), positions.valid_index)
+        if kind == "bw" and name == "logits" and positions.valid is not None:
             # The loss's gradient at logits[t] is non-zero exactly where target t (token t + 1) counts.
-            last = torch.zeros_like(self.valid[:, :1])
-            return apply_mask(tensor, torch.cat([self.valid, last], dim=1))
-        return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor
+            rows, length = positions.valid.shape
+            return select_positions(tensor, (rows, length + 1), positions.logits_index)
+        return select_positions(tensor, positions.shape, positions.index) if kind in ("fw", "bw") else tensor
+
+
+def _shape(tensor: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if tensor is None else tuple(tensor.shape)
 
 
 class LargestGradient:
@@ -323,19 +338,53 @@ def reference_max_gradient(ref: Reference) -> float:
     return ref.max_gradient
 
 
+@dataclasses.dataclass
+class _Pending:
+    """One measured tensor whose statistics are still on the device."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    count: int
+    reference: torch.Tensor | None  # reference_sums (fast pass), None for the exact pass
+    values: torch.Tensor  # error_sums or exact_sums
+    log_ratio: torch.Tensor | None = None
+
+
+def resolve_pending(values: Sequence[torch.Tensor]) -> list[list[float]]:
+    """The device-side statistics of a whole pass on the host: its one device-to-host transfer."""
+    return to_host(values)
+
+
 class _VariantPass:
-    """One pass of a variant: each tensor is compared to the reference when produced, then dropped."""
+    """One pass of a variant: each tensor is compared to the reference when produced, then dropped; its
+    statistics stay on the device until `resolve`, after the run, copies all of them to the host at once.
+
+    The fast pass (float32 sums, see metrics.py) assumes finite values; when a tensor turns out to hold NaN/Inf
+    (`needs_exact`), the caller runs the variant again with `exact=True`.
+    """
 
     def __init__(
-        self, runner: _Runner, variant: Variant, stored: Mapping[TensorKey, torch.Tensor], scale: float
+        self,
+        runner: _Runner,
+        variant: Variant,
+        stored: Mapping[TensorKey, torch.Tensor],
+        sums: dict[TensorKey, torch.Tensor],
+        scale: float,
+        *,
+        exact: bool = False,
     ) -> None:
         self.runner = runner
         self.variant = variant
         self.stored = stored
+        self.sums = sums
         self.scale = scale
+        self.exact = exact
+        self.pending: list[_Pending] = []
+        self.distribution: torch.Tensor | None = None
         self.records: list[Record] = []
-        self.distribution: dict[str, float | None] = {}
         self.overflowed = False
+        self.needs_exact = False
 
     def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         import torch
@@ -353,46 +402,76 @@ class _VariantPass:
                 f"the reference's is {tuple(expected.shape)}"
             )
         obtained = tensor.detach()
+        positions = runner.positions
         if kind == LOGITS_KIND:
-            assert runner.valid is not None
-            stats = distribution_stats(expected, obtained, runner.valid, temperature=runner.temperature)
-            self.distribution = dataclasses.asdict(stats)
+            assert positions.logits_index is not None
+            self.distribution = distribution_sums(
+                expected, obtained, positions.logits_index, temperature=runner.temperature
+            )
             return
-        error = tensor_error(
-            runner.masked(name, kind, expected),
-            runner.masked(name, kind, obtained),
-            variant_scale=self.scale if kind in GRADIENT_KINDS else 1.0,
-        )
-        extra: dict[str, Any] = {}
+        reference = runner.masked(name, kind, expected)
+        variant_values = runner.masked(name, kind, obtained)
+        scale = self.scale if kind in GRADIENT_KINDS else 1.0
+        reference_values = None
+        if self.exact or not fast_pass_applies(reference, variant_values):
+            values = exact_sums(reference, variant_values, variant_scale=scale)
+        else:
+            reference_values = self.sums.get((name, kind))
+            if reference_values is None:  # a loaded Reference: computed on first need, then shared
+                reference_values = self.sums[(name, kind)] = reference_sums(reference)
+            values = error_sums(reference, variant_values, reference_values, variant_scale=scale)
+        log_ratio = None
         if kind == "logprob":
-            assert runner.valid is not None
+            assert positions.valid is not None
             delta = obtained.to(torch.float64) - expected.to(torch.float64)
-            ratio = log_ratio_stats(delta, runner.valid, clip_eps=runner.clip_eps)
-            extra = {**dataclasses.asdict(ratio), **self.distribution}
-        if kind in GRADIENT_KINDS and error.nonfinite:
-            self.overflowed = True
-        self.records.append(Record.from_error(name, kind, tuple(tensor.shape), error, **extra))
+            log_ratio = log_ratio_sums(delta, positions.valid, clip_eps=runner.clip_eps)
+        self.pending.append(
+            _Pending(name, kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)
+        )
 
-
-class _ReferenceNoise:
-    """A repeat of the reference, each tensor compared to the stored first run when produced, then dropped:
-    keeps, per tensor, the largest rms_rel of any repeat against the first run (0 on a deterministic device).
-    """
-
-    def __init__(self, runner: _Runner, stored: Mapping[TensorKey, torch.Tensor]) -> None:
-        self.runner = runner
-        self.stored = stored
-        self.noise: dict[TensorKey, float] = {}
-
-    def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
-        key = (name, kind)
-        expected = self.stored.get(key)
-        if kind == LOGITS_KIND or expected is None or tuple(expected.shape) != tuple(tensor.shape):
+    def resolve(self) -> None:
+        """Copy every statistic of the pass to the host at once and build the records."""
+        device_values: list[torch.Tensor] = []
+        for item in self.pending:
+            device_values += [v for v in (item.reference, item.values, item.log_ratio) if v is not None]
+        if self.distribution is not None:
+            device_values.append(self.distribution)
+        host = iter(resolve_pending(device_values))
+        results: list[tuple[_Pending, TensorError | None, list[float] | None]] = []
+        for item in self.pending:
+            if item.reference is None:
+                error: TensorError | None = exact_error(next(host))
+            else:
+                reference = next(host)
+                error = fast_error(item.count, reference, next(host))
+            results.append((item, error, next(host) if item.log_ratio is not None else None))
+        distribution = next(host) if self.distribution is not None else None
+        self.pending.clear()
+        self.needs_exact = any(error is None for _, error, _ in results)
+        self.overflowed = any(
+            error is None or error.nonfinite for item, error, _ in results if item.kind in GRADIENT_KINDS
+        )
+        if self.needs_exact:
             return
-        masked = self.runner.masked
-        error = tensor_error(masked(name, kind, expected), masked(name, kind, tensor.detach()))
-        value = error.rms_rel if error.rms_rel is not None and math.isfinite(error.rms_rel) else 0.0
-        self.noise[key] = max(self.noise.get(key, 0.0), value)
+        rows = self.runner.positions.logits_index
+        for item, error, log_ratio in results:
+            assert error is not None
+            extra: dict[str, Any] = {}
+            if log_ratio is not None:
+                extra = dataclasses.asdict(log_ratio_from_sums(log_ratio))
+                if distribution is not None and rows is not None:
+                    extra |= dataclasses.asdict(distribution_from_sums(distribution, int(rows.numel())))
+            self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
+
+
+def _exact_if_needed(runner: _Runner, measured: _VariantPass) -> tuple[RunInfo | None, _VariantPass]:
+    """`measured` when its fast pass could be trusted, else the exact pass of the same run (the run again)."""
+    if not measured.needs_exact:
+        return None, measured
+    exact = _VariantPass(runner, measured.variant, measured.stored, measured.sums, measured.scale, exact=True)
+    info = runner.run(measured.variant, exact.measure, measured.scale)
+    exact.resolve()
+    return info, exact
 
 
 def _rms_rels(records: Sequence[Record]) -> dict[TensorKey, float]:
@@ -422,6 +501,7 @@ def _measure_variant(
     runner: _Runner,
     variant: Variant,
     stored: Mapping[TensorKey, torch.Tensor],
+    sums: dict[TensorKey, torch.Tensor],
     loss_scale: float | str | None,
     *,
     reference_gradient: Callable[[], float],
@@ -450,11 +530,14 @@ def _measure_variant(
         else:
             scale = float(loss_scale)
     while True:
-        measured = _VariantPass(runner, variant, stored, scale)
+        measured = _VariantPass(runner, variant, stored, sums, scale)
         info = runner.run(variant, measured.measure, scale)
+        measured.resolve()
         if not (scaled and measured.overflowed and scale > 1):
             break
         scale /= 2
+    exact_info, measured = _exact_if_needed(runner, measured)
+    info = exact_info or info
     records = measured.records
     if origin is not None and any(r.nonfinite for r in records if r.kind in NONFINITE_KINDS):
         # A repeat of a run that succeeded: a failure here comes from the watching hooks (full backward
@@ -464,8 +547,10 @@ def _measure_variant(
     if repeats > 1:
         passes = [_rms_rels(records)]
         for _ in range(repeats - 1):
-            again = _VariantPass(runner, variant, stored, scale)
+            again = _VariantPass(runner, variant, stored, sums, scale)
             runner.run(variant, again.measure, scale)
+            again.resolve()
+            _, again = _exact_if_needed(runner, again)
             passes.append(_rms_rels(again.records))
         records = _with_spread(records, passes, noise or {})
     return (dataclasses.replace(info, loss_scale=scale) if scaled else info), records
@@ -534,7 +619,9 @@ def _runner(ref: Reference, repeats: int = 1) -> _Runner:
         logprob_dtype=torch.float64 if ref.variant.dtype == "float64" else torch.float32,
         repeats=repeats,
         products=ref.products,
+        positions=ref.positions,
     )
+    ref.positions = runner.positions  # worked out once per Reference
     if ref.module_names:
         runner.module_names = list(ref.module_names)
     return runner
@@ -614,7 +701,7 @@ def build_reference(
     )
     with preserved_rng(run_device), ambient_modes_off(run_device):
         runner = _runner(ref)  # its targets and mask made outside the caller's inference mode too
-        ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, offload)
+        ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, ref.sums, offload)
     if not backward:
         ref.max_gradient = None
     ref.module_names = list(runner.module_names or [])
@@ -663,44 +750,85 @@ def _warn_low_precision_weights(model: nn.Module, reference: Variant) -> None:
 
 
 class _ReferenceKeeper:
-    """The reference run's sink: keeps each tensor (see _run_reference) and the largest |gradient|."""
+    """The reference run's sink: keeps each tensor (see _run_reference) with its reference_sums, and each
+    tensor's extremes, to check the run was finite and size fp16 loss scales, read once after the run."""
 
-    def __init__(self, stored: dict[TensorKey, torch.Tensor], *, offload: bool, clone_all: bool) -> None:
+    def __init__(
+        self,
+        runner: _Runner,
+        stored: dict[TensorKey, torch.Tensor],
+        sums: dict[TensorKey, torch.Tensor],
+        *,
+        offload: bool,
+        clone_all: bool,
+    ) -> None:
+        self.runner = runner
         self.stored = stored
+        self.sums = sums
         self.offload = offload
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
-        self.largest_gradient = LargestGradient()
-        #: Per kind, whether every tensor so far was finite: device-side flags, read once after the run.
-        self.finite: dict[str, torch.Tensor] = {}
+        #: Per floating tensor, [min, max] over the whole tensor, on the device.
+        self.extremes: list[tuple[str, torch.Tensor]] = []
         # A module returning its input as is (dropout in eval) hands over the run's own copy of the caller's
         # tensor (Batch.on), never the caller's storage: keeping it without a copy is safe.
         stored.clear()
+        sums.clear()
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         import torch
 
         kept = tensor.detach()
-        self.largest_gradient(name, kind, kept)  # on the device, before any offload
-        if kept.is_floating_point() and kept.numel():
-            finite = torch.isfinite(kept).all()
-            self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite
+        if kept.is_floating_point() and kept.numel() and kind != LOGITS_KIND:  # the logits: the head's fw row
+            counted = self.runner.masked(name, kind, kept)
+            values = self.sums[(name, kind)] = reference_sums(counted)  # on the device, before any offload
+            whole = values[5:] if counted is kept else torch.stack(torch.aminmax(kept)).to(torch.float64)
+            self.extremes.append((kind, whole))
         version = None if self.clone_all or self.offload else _version_of(kept)
         if version is None:
-            kept = kept.to("cpu", copy=True) if self.offload else kept.clone()
+            kept = _host_copy(kept) if self.offload else kept.clone()
         else:
             self.versions[(name, kind)] = version
         self.stored[(name, kind)] = kept
+
+    def check(self) -> tuple[list[str], float]:
+        """The kinds holding NaN/Inf and the largest |gradient| over the bw and grad tensors, from one host
+        transfer (which also waits for the offload copies)."""
+        nonfinite: list[str] = []
+        largest = 0.0
+        for (kind, _), (low, high) in zip(self.extremes, to_host([v for _, v in self.extremes]), strict=True):
+            if not (math.isfinite(low) and math.isfinite(high)):
+                if kind not in nonfinite:
+                    nonfinite.append(kind)
+            elif kind in GRADIENT_KINDS:
+                largest = max(largest, -low, high)
+        return nonfinite, largest
 
     def untouched(self) -> bool:
         """Whether no tensor kept without a copy was written in place since it was kept."""
         return all(_version_of(self.stored[key]) == version for key, version in self.versions.items())
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of `tensor`; from an accelerator, a non-blocking copy into pinned memory (no sync here: the
+    run's one transfer after it waits for every such copy)."""
+    import torch
+
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 def _run_reference(
-    runner: _Runner, variant: Variant, stored: dict[TensorKey, torch.Tensor], offload: bool
+    runner: _Runner,
+    variant: Variant,
+    stored: dict[TensorKey, torch.Tensor],
+    sums: dict[TensorKey, torch.Tensor],
+    offload: bool,
 ) -> tuple[RunInfo, float]:
-    """Run the reference, keeping its tensors in `stored`; returns its RunInfo and largest |gradient|.
+    """Run the reference, keeping its tensors in `stored` and their reference_sums in `sums`; returns its
+    RunInfo and largest |gradient|.
 
     A later in-place op in the model must not change what was captured. Rather than cloning every tensor, each
     is kept as produced with its version counter; should any have been written in place by the end of the run
@@ -709,20 +837,18 @@ def _run_reference(
     its input returns the run's own copy of it (Batch.on), never the caller's tensor. A reference producing
     NaN/Inf is a ModelRunError saying where they started.
     """
-    import torch
-
-    keeper = _ReferenceKeeper(stored, offload=offload, clone_all=False)
+    keeper = _ReferenceKeeper(runner, stored, sums, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
-    if keeper.finite:
-        flags = torch.stack(list(keeper.finite.values())).tolist()  # the run's one host sync for this check
-        nonfinite = [kind for kind, finite in zip(keeper.finite, flags, strict=True) if not finite]
-        if nonfinite:
-            stored.clear()
-            raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
+    nonfinite, largest = keeper.check()  # the run's one host sync
+    if nonfinite:
+        stored.clear()
+        sums.clear()
+        raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
     if not keeper.untouched():
-        keeper = _ReferenceKeeper(stored, offload=offload, clone_all=True)
+        keeper = _ReferenceKeeper(runner, stored, sums, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
-    return info, keeper.largest_gradient.value()
+        _, largest = keeper.check()
+    return info, largest
 
 
 def _nonfinite_reference(runner: _Runner, variant: Variant, kinds: Sequence[str]) -> str:
@@ -777,10 +903,15 @@ def _reference_noise(runner: _Runner, ref: Reference, repeats: int) -> dict[Tens
                 f"repeats={repeats}: the Reference loaded from {ref.path} ran with prepare="
                 f"{ref.info.variant['prepare']}, which cannot be restored; use repeats=1"
             )
-        noise = _ReferenceNoise(runner, ref.tensors())
+        noise: dict[TensorKey, float] = {}
         for _ in range(repeats - 1):
-            runner.run(ref.variant, noise.measure)
-        ref.noise[repeats] = noise.noise
+            measured = _VariantPass(runner, ref.variant, ref.tensors(), ref.sums, 1.0)
+            runner.run(ref.variant, measured.measure)
+            measured.resolve()
+            _, measured = _exact_if_needed(runner, measured)
+            for key, value in _rms_rels(measured.records).items():
+                noise[key] = max(noise.get(key, 0.0), value)
+        ref.noise[repeats] = noise
     return ref.noise[repeats]
 
 
@@ -823,6 +954,7 @@ def measure(
                 runner,
                 variant,
                 stored,
+                ref.sums,
                 _loss_scale_for(loss_scale, variant.name),
                 reference_gradient=lambda: reference_max_gradient(ref),
                 repeats=repeats,

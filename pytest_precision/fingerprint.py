@@ -195,7 +195,9 @@ class _Fingerprinter:
         if isinstance(value, nn.Module):
             if id(value) in self.modules:
                 return ("module", self.modules[id(value)])  # one of the model's own: fingerprinted as such
-            raise Unfingerprintable(f"a module outside the model ({type(value).__name__})")
+            if any(True for _ in value.parameters()) or any(True for _ in value.buffers()):
+                # Its values are in no checksum.
+                raise Unfingerprintable(f"a module outside the model holding tensors ({type(value).__name__})")
         if depth >= _FINGERPRINT_DEPTH:
             raise Unfingerprintable("nested too deep")
         known = self._memo.get(id(value))
@@ -216,6 +218,14 @@ class _Fingerprinter:
         ) or (callable(value) and not hasattr(value, "__dict__")):
             result = ("callable", id(value))
             self.anchors.append(value)
+        elif isinstance(value, nn.Module):
+            # A stateless module outside the model (transformers' kernel functions, `_kernel_funcs`): by its
+            # class, its mode and its own attributes, as the model's modules are.
+            self.anchors.append(type(value))
+            attributes = tuple(
+                (k, self.value(v, depth + 1)) for k, v in vars(value).items() if k not in _MODULE_INTERNALS
+            )
+            result = ("foreign module", id(type(value)), value.training, attributes)
         elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
             # A plain object (a transformers config, a dataclass): by its class and its own attributes.
             attributes = tuple((k, self.value(v, depth + 1)) for k, v in vars(value).items())

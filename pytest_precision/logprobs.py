@@ -13,6 +13,7 @@ tokens whose ratio leaves PPO's band [1 - eps, 1 + eps].
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -76,8 +77,12 @@ class LogRatioStats:
     seq_delta_max: float | None
 
 
-def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> LogRatioStats:
-    """Token-level and per-sequence statistics of `delta` (batch, positions) where `valid`.
+#: Values of `log_ratio_sums`: the number of counted tokens, then the LogRatioStats fields in order.
+LOG_RATIO_SUMS = 9
+
+
+def log_ratio_sums(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> torch.Tensor:
+    """LOG_RATIO_SUMS of `delta` (batch, positions) where `valid`, on the device (no host sync).
 
     Per sequence, the mean delta over its counted tokens; then the mean, std (population), rms and max |.|
     of those means over the sequences that have any counted token.
@@ -85,27 +90,43 @@ def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float
     import torch
 
     d = torch.where(valid, delta.to(torch.float64), 0.0)
-    count = valid.sum()
-    if int(count) == 0:
-        return LogRatioStats(None, None, None, None, None, None, None, None)
+    count = valid.sum(dtype=torch.float64)
     low, high = math.log1p(-clip_eps), math.log1p(clip_eps)
     clipped = ((d < low) | (d > high)) & valid
-    per_sequence_count = valid.sum(dim=1)
+    per_sequence_count = valid.sum(dim=1, dtype=torch.float64)
     has_tokens = per_sequence_count > 0
-    sequence_means = (d.sum(dim=1)[has_tokens] / per_sequence_count[has_tokens]).to(torch.float64)
-    values = torch.stack(
+    sequences = has_tokens.sum(dtype=torch.float64)
+    sequence_means = torch.where(has_tokens, d.sum(dim=1) / per_sequence_count.clamp_min(1.0), 0.0)
+    mean_of_means = sequence_means.sum() / sequences
+    spread = torch.where(has_tokens, sequence_means - mean_of_means, 0.0)
+    return torch.stack(
         [
+            count,
             d.sum() / count,
             (d.square().sum() / count).sqrt(),
-            d.abs().max(),
+            d.abs().max() if d.numel() else count.new_zeros(()),
             clipped.sum(dtype=torch.float64) / count,
-            sequence_means.mean(),
-            sequence_means.std(correction=0),
-            sequence_means.square().mean().sqrt(),
-            sequence_means.abs().max(),
+            mean_of_means,
+            (spread.square().sum() / sequences).sqrt(),
+            (sequence_means.square().sum() / sequences).sqrt(),
+            sequence_means.abs().max() if sequence_means.numel() else count.new_zeros(()),
         ]
-    ).tolist()
-    return LogRatioStats(*values)
+    )
+
+
+def log_ratio_from_sums(values: Sequence[float]) -> LogRatioStats:
+    """LogRatioStats from a host copy of log_ratio_sums (all None when no token counts)."""
+    if values[0] == 0:
+        return LogRatioStats(None, None, None, None, None, None, None, None)
+    return LogRatioStats(*values[1:])
+
+
+def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> LogRatioStats:
+    """Token-level and per-sequence statistics of `delta` (batch, positions) where `valid` (one host sync)."""
+    from .metrics import to_host
+
+    [values] = to_host([log_ratio_sums(delta, valid, clip_eps=clip_eps)])
+    return log_ratio_from_sums(values)
 
 
 @dataclass(frozen=True)
@@ -117,6 +138,53 @@ class DistributionStats:
     top1_agreement: float | None
 
 
+def distribution_sums(
+    reference_logits: torch.Tensor, variant_logits: torch.Tensor, rows: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """[sum of KL(p_ref || p_var), max KL, positions whose argmax agrees] over the logits rows `rows` (flat
+    indices into the (batch * seq) rows), in float64, on the device (no host sync).
+
+    Rows are processed a few at a time (see metrics.chunk_elements) with in-place float64 temporaries, so the
+    pass holds no more than a chunk beyond the two logits tensors.
+    """
+    import torch
+
+    from .metrics import chunk_elements
+
+    vocab = reference_logits.shape[-1]
+    ref = reference_logits.reshape(-1, vocab)
+    var = variant_logits.reshape(-1, vocab)
+    device = ref.device
+    rows = rows.to(device)
+    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
+    kl_max = torch.zeros((), dtype=torch.float64, device=device)
+    agree = torch.zeros((), dtype=torch.float64, device=device)
+    step = max(1, chunk_elements(device) // max(vocab, 1))
+    for start in range(0, rows.numel(), step):
+        chunk = rows[start : start + step]
+        log_p = ref.index_select(0, chunk).to(torch.float64)
+        log_q = var.index_select(0, chunk.to(var.device)).to(device=device, dtype=torch.float64)
+        if temperature != 1:
+            log_p /= temperature
+            log_q /= temperature
+        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
+        log_p = torch.log_softmax(log_p, dim=-1)
+        log_q = torch.log_softmax(log_q, dim=-1)
+        difference = log_q.neg_().add_(log_p)  # log p - log q, in log_q's storage
+        kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)
+        kl_sum += kl.sum()
+        kl_max = torch.maximum(kl_max, kl.max())
+    return torch.stack([kl_sum, kl_max, agree])
+
+
+def distribution_from_sums(values: Sequence[float], rows: int) -> DistributionStats:
+    """DistributionStats over `rows` positions from a host copy of distribution_sums."""
+    if rows == 0:
+        return DistributionStats(None, None, None)
+    total, peak, agreeing = values
+    return DistributionStats(total / rows, peak, agreeing / rows)
+
+
 def distribution_stats(
     reference_logits: torch.Tensor,
     variant_logits: torch.Tensor,
@@ -124,35 +192,13 @@ def distribution_stats(
     *,
     temperature: float = 1.0,
 ) -> DistributionStats:
-    """KL(p_ref || p_var) mean and max, and the share of positions whose argmax agrees, in float64.
+    """KL(p_ref || p_var) mean and max, and the share of positions whose argmax agrees, in float64, over the
+    positions t of (batch, seq) logits where `valid` (batch, seq - 1) says token t + 1 counts (two host syncs)."""
+    from .metrics import to_host
 
-    Rows are processed a few at a time (see metrics.chunk_elements) with in-place float64 temporaries.
-    """
-    import torch
-
-    from .metrics import chunk_elements
-
-    ref = reference_logits[:, :-1][valid]
-    var = variant_logits[:, :-1][valid].to(ref.device)
-    rows, vocab = ref.shape[0], ref.shape[-1]
-    if rows == 0:
-        return DistributionStats(None, None, None)
-    kl_sum = torch.zeros((), dtype=torch.float64, device=ref.device)
-    kl_max = torch.zeros((), dtype=torch.float64, device=ref.device)
-    agree = torch.zeros((), dtype=torch.float64, device=ref.device)
-    step = max(1, chunk_elements(ref.device) // max(vocab, 1))
-    for start in range(0, rows, step):
-        log_p = ref[start : start + step].to(torch.float64)
-        log_q = var[start : start + step].to(torch.float64)
-        if temperature != 1:
-            log_p /= temperature
-            log_q /= temperature
-        log_p = torch.log_softmax(log_p, dim=-1)
-        log_q = torch.log_softmax(log_q, dim=-1)
-        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
-        difference = log_q.neg_().add_(log_p)  # log p - log q, in log_q's storage
-        kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)
-        kl_sum += kl.sum()
-        kl_max = torch.maximum(kl_max, kl.max())
-    total, peak, agreeing = torch.stack([kl_sum, kl_max, agree]).tolist()
-    return DistributionStats(total / rows, peak, agreeing / rows)
+    positions = valid.shape[1]
+    valid_index = valid.reshape(-1).nonzero().reshape(-1)
+    rows = valid_index + valid_index // max(positions, 1)
+    sums = distribution_sums(reference_logits, variant_logits, rows, temperature=temperature)
+    [values] = to_host([sums])
+    return distribution_from_sums(values, int(rows.numel()))

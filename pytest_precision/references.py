@@ -22,6 +22,7 @@ from .batch import Batch
 from .errors import ConfigurationError
 from .fingerprint import _CHUNK_WEIGHTS, CacheKey, anchored, same_checksum, state_checksum  # noqa: F401
 from .model_build import FactoryProducts
+from .positions import Positions
 from .report import RunInfo
 from .variants import Variant
 
@@ -49,7 +50,7 @@ class _OnDevice(Mapping[TensorKey, "torch.Tensor"]):
         self._device = device
 
     def __getitem__(self, key: TensorKey) -> torch.Tensor:
-        return self._stored[key].to(self._device)
+        return self._stored[key].to(self._device, non_blocking=True)
 
     def __iter__(self) -> Iterator[TensorKey]:
         return iter(self._stored)
@@ -94,6 +95,11 @@ class Reference:
     noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)
     #: The models a factory source returned for this reference's runs (a model returned twice is refused).
     products: FactoryProducts = field(default_factory=FactoryProducts, repr=False)
+    #: Per captured tensor, its metrics.reference_sums on the run's device: computed while the reference runs
+    #: (for a loaded Reference, on first need) and shared by every variant measured against it.
+    sums: dict[TensorKey, torch.Tensor] = field(default_factory=dict, repr=False)
+    #: The batch's counted positions on the run's device (see positions.py), worked out on first need.
+    positions: Positions | None = field(default=None, repr=False)
 
     @property
     def model(self) -> nn.Module | ModelFactory | None:
@@ -182,7 +188,7 @@ class Reference:
         try:
             with safe_open(shown, framework="pt", device="cpu") as handle:
                 raw = (handle.metadata() or {}).get(METADATA_KEY)
-                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+                tensors = {key: _aligned(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118
         except FileNotFoundError as error:
             raise ConfigurationError(f"Reference.load({shown!r}): cannot read it: {error}") from error
         except Exception as error:  # safetensors' SafetensorError is none of OSError, ValueError, RuntimeError
@@ -209,6 +215,13 @@ class Reference:
         loaded = cls(source=model, loss_fn=loss_fn, offload=True, path=shown, **fields)
         _check_loaded_checksum(path, model, meta.get("checksum"))
         return loaded
+
+
+def _aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in memory aligned as a freshly allocated one (a copy when the file's layout left it unaligned):
+    vectorised float32 sums round differently at another alignment, and a loaded Reference must measure
+    exactly what the one it was saved from did."""
+    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
 def _check_loaded_checksum(path: str | os.PathLike[str], model: object, stored: Any) -> None:

@@ -12,7 +12,7 @@ import torch
 import pytest_precision.metrics as metrics_module
 from pytest_precision.metrics import METRIC_NAMES, TensorError, tensor_error
 
-RTOL = 1e-9
+RTOL = 1e-6  # float32 sums per chunk (exact to ~1e-7), added up in float64: see metrics.py
 FIELDS = (
     "count", "ref_rms", "rms_abs", "rms_rel", "max_abs", "max_rel", "bias_abs", "bias_rel", "correlation",
     "slope", "residual_rms_rel", "cosine", "sqnr_db", "nonfinite",
@@ -91,7 +91,9 @@ def assert_matches(
         else:
             rtol = residual_rtol if name == "residual_rms_rel" else RTOL
             assert got is not None, f"{name} is None, expected {want!r}"
-            assert got == pytest.approx(want, rel=rtol, abs=0), f"{name}: {got!r} != {want!r}"
+            # sqnr_db is a logarithm: a relative error RTOL of the power ratio is 4.3 RTOL dB, whatever its value.
+            atol = 10 * RTOL if name == "sqnr_db" else 0
+            assert got == pytest.approx(want, rel=rtol, abs=atol), f"{name}: {got!r} != {want!r}"
 
 
 def gaussian(shape: tuple[int, ...], seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -124,7 +126,9 @@ def test_biased_and_scaled_variant() -> None:
     x = gaussian((4096,), seed=4)
     y = 1.25 * x + 0.5 + gaussian((4096,), seed=5, scale=0.01)
     error = tensor_error(x, y)
-    assert_matches(error, numpy_metrics(x, y))
+    # The residual about the fit is what is left of var(d) ~ 0.3 after removing the fit's ~0.3: the float32 sums
+    # (~1e-8 of var(d)) leave it ~3e-5 of its own value (~0.01^2) wrong; the other metrics do not cancel.
+    assert_matches(error, numpy_metrics(x, y), residual_rtol=2e-4)
     assert error.slope == pytest.approx(1.25, abs=1e-3)
     assert error.bias_abs == pytest.approx(0.5 + 0.25 * float(x.double().mean()), abs=1e-3)
     assert error.bias_rel == pytest.approx(error.bias_abs / error.ref_rms, rel=1e-12)
@@ -212,8 +216,8 @@ def test_nan_and_inf_in_variant() -> None:
     finite[[3, 50, 199]] = False
     clean = tensor_error(x[finite], y[finite])
     assert clean.nonfinite == 0
-    for name in FLOAT_FIELDS:  # the same elements, summed in another order
-        assert getattr(error, name) == pytest.approx(getattr(clean, name), rel=1e-12), name
+    for name in FLOAT_FIELDS:  # the same elements: the exact pass (NaN/Inf present) against the fast one
+        assert getattr(error, name) == pytest.approx(getattr(clean, name), rel=RTOL), name
 
 
 def test_nan_in_reference() -> None:

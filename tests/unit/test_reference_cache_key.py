@@ -275,6 +275,19 @@ def test_a_module_outside_the_model_held_as_attribute_skips_the_cache() -> None:
     assert cache.skipped == 1
 
 
+def test_a_stateless_module_outside_the_model_is_fingerprinted() -> None:
+    # transformers >= 5.25 keeps kernel functions as unregistered, parameter-free modules (`_kernel_funcs`).
+    model, cache = Net(), ReferenceCache()
+    helper = nn.GELU()
+    object.__setattr__(model.blocks[0], "_kernel_funcs", {"act": helper})
+    run(model, cache)
+    run(model, cache)
+    assert (cache.hits, cache.misses, cache.skipped) == (1, 1, 0)
+    helper.approximate = "tanh"  # its attributes are in the key
+    run(model, cache)
+    assert (cache.hits, cache.misses) == (1, 2)
+
+
 def test_modules_as_one_string_is_one_regex_in_the_key() -> None:
     model, cache = tiny_llama(layers=1), ReferenceCache()
     ids = random_tokens(length=8)
