@@ -12,7 +12,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 MODULE_TESTS: dict[str, tuple[str, ...]] = {
-    "metrics.py": ("tests/unit/test_metrics.py", "tests/unit/test_gate_rules.py", "tests/unit/test_compare.py"),
+    "metrics.py": (
+        "tests/unit/test_metrics.py",
+        "tests/unit/test_metric_accuracy.py",
+        "tests/unit/test_gate_rules.py",
+        "tests/unit/test_compare.py",
+    ),
     "tolerance.py": (
         "tests/unit/test_tolerance.py",
         "tests/unit/test_gate_rules.py",
@@ -132,9 +137,14 @@ MUTANTS: list[Mutant] = [
     _m("metrics.py", "cov_xy = var_x + cov_xd", "cov_xy = var_x - cov_xd", "covariance sign"),
     _m("metrics.py", "1.0 + cov_xd / var_x", "1.0 - cov_xd / var_x", "slope sign"),
     _m("metrics.py", "max(var_d - cov_xd * cov_xd / var_x, 0.0)", "max(var_d, 0.0)", "residual without the fit"),
-    _m("metrics.py", "10.0 * math.log10(sxx / sdd)", "20.0 * math.log10(sxx / sdd)", "SQNR as an amplitude ratio"),
+    _m(
+        "metrics.py",
+        "10.0 * math.log10(sxx_whole / sdd)",
+        "20.0 * math.log10(sxx_whole / sdd)",
+        "SQNR as an amplitude ratio",
+    ),
     _m("metrics.py", "max_rel=_ratio(max_abs, ref_rms)", "max_rel=_ratio(max_abs, rms_abs)", "max_rel denominator"),
-    _m("metrics.py", "torch.maximum(-d_min, d_max),", "d_max,", "max |d| misses negative errors"),
+    _m("metrics.py", "max(-d_min, d_max) / scale if count", "d_max / scale if count", "max |d| misses negative errors"),
     _m(
         "metrics.py",
         "(x_finite & ~y_finite).sum(dtype=torch.float64),",
@@ -143,13 +153,49 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "metrics.py",
-        "if d.numel() and bool(torch.isfinite(sum_x + sum_d)):",
-        "if d.numel():",
-        "non-finite chunks take the unmasked fast path",
+        "if not all(math.isfinite(v) for v in reference) or not all(math.isfinite(v) for v in error):",
+        "if not all(math.isfinite(v) for v in reference):",
+        "a variant's NaN/Inf trusted to the fast pass",
     ),
     _m("metrics.py", "y = y / variant_scale", "y = y * variant_scale", "loss scale applied instead of removed"),
-    _m("metrics.py", "y_constant=y_min == y_max", "y_constant=False", "y_constant flag ignored"),
-    _m("metrics.py", "(sxx + sxd) / math.sqrt(sxx * syy)", "(sxx - sxd) / math.sqrt(sxx * syy)", "cosine sign"),
+    _m(
+        "metrics.py",
+        "d.div_(variant_scale)",
+        "d.mul_(variant_scale)",
+        "fast pass: loss scale applied instead of removed",
+    ),
+    _m(
+        "metrics.py",
+        "y_constant=y_min == y_max,\n        shift=shift,",
+        "y_constant=False,\n        shift=shift,",
+        "y_constant flag ignored",
+    ),
+    _m(
+        "metrics.py",
+        "(sxx_whole + sxd_whole) / math.sqrt(sxx_whole * syy)",
+        "(sxx_whole - sxd_whole) / math.sqrt(sxx_whole * syy)",
+        "cosine sign",
+    ),
+    # metrics.py: the fast pass (float32 blocks, shift and scale)
+    _m("metrics.py", "sxd / scale,  # sum", "sxd / (scale * scale),  # sum", "cross sum unscaled twice"),
+    _m("metrics.py", "sdd / (scale * scale),", "sdd / scale,", "sum of squares unscaled once"),
+    _m(
+        "metrics.py", "centred = scaled.sub_(scaled_shift)", "centred = scaled", "reference not centred: var(x) cancels"
+    ),
+    _m("metrics.py", "_sum(x * d) - shift * sum_d,", "_sum(x * d),", "cross sum not centred"),
+    _m("metrics.py", "d.sub_(x).mul_(scale)", "d.sub_(x)", "difference not scaled with the reference"),
+    _m(
+        "metrics.py",
+        "if magnitude != 0 and not 2.0**-MAGNITUDE_LIMIT <= magnitude <= 2.0**MAGNITUDE_LIMIT:",
+        "if False:",
+        "a reference beyond float32's squares trusted to the fast pass",
+    ),
+    _m(
+        "metrics.py",
+        "return values.view(-1, BLOCK).sum(1).sum(dtype=torch.float64)",
+        "return values.sum(dtype=torch.float32).to(torch.float64)",
+        "one float32 sum per chunk: ~1e-7 of its value lost",
+    ),
     # tolerance.py
     _m(
         "tolerance.py",
@@ -232,21 +278,53 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "comparison.py",
-        "variant_scale=self.scale if kind in GRADIENT_KINDS else 1.0,",
-        "variant_scale=self.scale,",
+        "scale = self.scale if kind in GRADIENT_KINDS else 1.0",
+        "scale = self.scale",
         "forward tensors unscaled too",
     ),
     _m(
         "comparison.py",
-        'return apply_mask(tensor, self.mask) if kind in ("fw", "bw") else tensor',
-        'return apply_mask(tensor, self.mask) if kind == "fw" else tensor',
+        'return select_positions(tensor, positions.shape, positions.index) if kind in ("fw", "bw") else tensor',
+        'return select_positions(tensor, positions.shape, positions.index) if kind == "fw" else tensor',
         "padding not masked out of backward tensors",
     ),
     _m(
+        "positions.py",
+        "logits_index = valid_index + valid_index // max(positions, 1)",
+        "logits_index = valid_index + 1 + valid_index // max(positions, 1)",
+        "logits rows shifted by one position",
+        "tests/unit/test_language_models.py",
+        "tests/unit/test_vocabulary_chunks.py",
+        "tests/unit/test_models_that_work.py",
+        "tests/unit/test_compare.py",
+    ),
+    _m(
+        "positions.py",
+        "if counted.numel() != mask.numel():",
+        "if False:",
+        "padding counted",
+        "tests/unit/test_language_models.py",
+        "tests/unit/test_models_that_work.py",
+        "tests/unit/test_compare.py",
+        "tests/unit/test_host_syncs.py",
+    ),
+    _m(
         "comparison.py",
-        "torch.cat([self.valid, last], dim=1)",
-        "torch.cat([last, self.valid], dim=1)",
-        "logits gradient mask shifted the wrong way",
+        "_Pending(name, kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)",
+        "_Pending(name, kind, tuple(tensor.shape), tensor.numel(), reference_values, values, log_ratio)",
+        "count over the padded positions too",
+    ),
+    _m(
+        "comparison.py",
+        "self.needs_exact = any(error is None for _, error, _ in results)",
+        "self.needs_exact = False",
+        "no exact pass for a run with NaN/Inf",
+    ),
+    _m(
+        "comparison.py",
+        "distribution_from_sums(distribution, int(rows.numel()))",
+        "distribution_from_sums(distribution, int(rows.numel()) + 1)",
+        "KL averaged over one position too many",
     ),
     _m(
         "comparison.py",
@@ -256,8 +334,8 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "comparison.py",
-        "for _ in range(repeats - 1):\n            runner.run(ref.variant, noise.measure)",
-        "for _ in range(repeats - 2):\n            runner.run(ref.variant, noise.measure)",
+        "for _ in range(repeats - 1):\n            measured = _VariantPass(runner, ref.variant",
+        "for _ in range(repeats - 2):\n            measured = _VariantPass(runner, ref.variant",
         "one reference repeat too few",
     ),
     _m(
@@ -322,7 +400,13 @@ MUTANTS: list[Mutant] = [
         "low, high = -clip_eps, clip_eps",
         "clip band in ratio space, not log space",
     ),
-    _m("logprobs.py", "sequence_means.std(correction=0),", "sequence_means.std(),", "sequence std with Bessel"),
+    _m(
+        "logprobs.py",
+        "(spread.square().sum() / sequences).sqrt(),",
+        "(spread.square().sum() / (sequences - 1)).sqrt(),",
+        "sequence std with Bessel",
+    ),
+    _m("logprobs.py", "d.sum() / count,", "d.sum() / d.numel(),", "log-ratio mean over uncounted tokens too"),
     _m(
         "logprobs.py",
         "kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)",
@@ -510,14 +594,14 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "comparison.py",
-        "self.finite[kind] = finite if kind not in self.finite else self.finite[kind] & finite",
-        "self.finite[kind] = finite",
-        "a non-finite reference tensor forgotten once a later one is finite",
+        "if not (math.isfinite(low) and math.isfinite(high)):",
+        "if not math.isfinite(low):",
+        "a reference reaching +inf taken as finite",
     ),
     _m(
         "comparison.py",
-        "        if nonfinite:\n",
-        "        if nonfinite and False:\n",
+        "    if nonfinite:\n        stored.clear()",
+        "    if nonfinite and False:\n        stored.clear()",
         "a non-finite reference measured against",
     ),
     # fingerprint.py: the cache key
