@@ -221,9 +221,9 @@ ERROR_SUMS = 7
 #: Values of `exact_sums`: n, sum x, sum d, sum x^2, sum d^2, sum x d, max |d|, nonfinite, min x, max x, min y,
 #: max y (over the elements finite on both sides).
 EXACT_SUMS = 12
-#: The fast pass is trusted for references with max |x| in [2^-LIMIT, 2^LIMIT] (or 0): beyond, float32 squares
-#: leave the normal range even after scaling.
-MAGNITUDE_LIMIT = 100
+#: The scale's exponent is clamped to +-MAGNITUDE_LIMIT (2^127 is the largest float32 power of two); any
+#: float32 reference, subnormal ones included, then scales to max |x k| in [2^-23, 2].
+MAGNITUDE_LIMIT = 126
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -390,14 +390,11 @@ def exact_sums(reference: torch.Tensor, variant: torch.Tensor, *, variant_scale:
 
 def fast_error(count: int, reference: Sequence[float], error: Sequence[float]) -> TensorError | None:
     """The TensorError of `count` elements from host copies of reference_sums and error_sums; None when the fast
-    pass cannot be trusted (a NaN/Inf element, a float32 square overflowing, a reference beyond the magnitudes
-    scaling keeps in range): then only the exact pass can tell."""
+    pass cannot be trusted (a NaN/Inf element, or a float32 square of an error far larger than the reference
+    overflowing): then only the exact pass can tell."""
     if not all(math.isfinite(v) for v in reference) or not all(math.isfinite(v) for v in error):
         return None
     shift, scale, sx, sxx, sxx_whole, x_min, x_max = reference
-    magnitude = max(-x_min, x_max)
-    if magnitude != 0 and not 2.0**-MAGNITUDE_LIMIT <= magnitude <= 2.0**MAGNITUDE_LIMIT:
-        return None
     sd, sdd, sxd, d_min, d_max, y_min, y_max = error
     # Unscaled in float64: the scale is a power of two, so these divisions are exact.
     return metrics_from_sums(

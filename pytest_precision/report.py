@@ -16,6 +16,9 @@ def kind_rank(kind: str) -> int:
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
+_ERROR_FIELDS = dataclasses.fields(TensorError)
+
+
 @dataclass(frozen=True)
 class Record(TensorError):
     """The error of one tensor of one variant; each metric of TensorError is an attribute."""
@@ -46,7 +49,8 @@ class Record(TensorError):
 
     @classmethod
     def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError, **extra: Any) -> Record:
-        return cls(**dataclasses.asdict(error), name=name, kind=kind, shape=tuple(shape), **extra)
+        values = {f.name: getattr(error, f.name) for f in _ERROR_FIELDS}  # flat: asdict would deep-copy
+        return cls(**values, name=name, kind=kind, shape=tuple(shape), **extra)
 
     def metric(self, metric: str) -> float | None:
         """A metric by name (None when undefined)."""
