@@ -266,3 +266,17 @@ def test_distribution_stats_match_numpy(variant: str) -> None:
     assert stats.kl_mean == pytest.approx(kl_mean, rel=RTOL)
     assert stats.kl_max == pytest.approx(kl_max, rel=RTOL)
     assert stats.top1_agreement == agreement
+
+
+@pytest.mark.parametrize("kind", ["bf16", "tf32-noise"])
+def test_sums_of_a_million_elements_stay_exact_to_1e8(kind: str) -> None:
+    """Blocks of 64 float32 values added up in float64 keep ~1e-9 of a sum of 2^20 squares; one float32 sum (or
+    dot product) per chunk of 2^18 loses ~1e-7 to 1e-6 of it."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(1 << 20, generator=generator) * 3 + 0.5
+    y = x.to(torch.bfloat16) if kind == "bf16" else x + torch.randn(1 << 20, generator=generator) * 3e-4
+    error = tensor_error(x, y)
+    x64, y64 = x.double().numpy(), y.double().numpy()
+    d = y64 - x64
+    assert error.rms_abs == pytest.approx(math.sqrt(np.mean(d * d)), rel=3e-8, abs=0)
+    assert error.ref_rms == pytest.approx(math.sqrt(np.mean(x64 * x64)), rel=3e-8, abs=0)
