@@ -72,7 +72,7 @@ def build_model(spec: dict[str, int]) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(config)
     model.eval()
     return model
 
@@ -369,7 +369,7 @@ def where_time_goes(
     hand_model = median_of("hand", model_labels, "inclusive")
     call_model = median_of("call", model_labels)  # own time: the sinks and the work inside them subtracted
     found = set().union(*(t.found for t in measured["call"]))
-    rows = [
+    rows: list[tuple[str, float, float | None]] = [
         ("total (one call, timers on)", total, hand_total),
         ("model forward+backward (compare: excluding the timed parts inside it)", call_model, hand_model),
     ]
@@ -922,7 +922,7 @@ def _bench_import(quick: bool, repeats: int, sections: list[str], pycache: str) 
         }
         note = " (`-p no:precision -p pytest_precision.plugin`: see run.py)"
 
-        def runner(command: list[str]) -> Callable[[], None]:
+        def runner(command: list[str]) -> Callable[[], object]:
             return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=env)
 
         # A pytest start varies by +-100 ms here: many interleaved rounds in alternating order, and the median
@@ -1004,7 +1004,7 @@ def bench_xdist(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
         if check.returncode != 0:
             raise RuntimeError(f"the 8-test suite failed:\n{check.stdout[-3000:]}\n{check.stderr[-2000:]}")
 
-        def runner(command: list[str], extra_env: dict[str, str] | None = None) -> Callable[[], None]:
+        def runner(command: list[str], extra_env: dict[str, str] | None = None) -> Callable[[], object]:
             run_env = {**env, **(extra_env or {})}
             return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=run_env)
 
@@ -1092,6 +1092,7 @@ def build_smol(spec: dict[str, int]) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    extra: dict[str, Any] = {"rope_theta": 100000}  # transformers 5 files it under rope_parameters
     config = LlamaConfig(
         vocab_size=spec["vocab"],
         hidden_size=spec["hidden"],
@@ -1102,10 +1103,10 @@ def build_smol(spec: dict[str, int]) -> Any:
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         rms_norm_eps=1e-5,
-        rope_theta=100000,
+        **extra,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(config)
     model.eval()
     return model
 
