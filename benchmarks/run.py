@@ -1139,7 +1139,7 @@ def one_variant_pair(
     rounds: int,
 ) -> tuple[Pair, Callable[[], Any], Callable[[], Any]]:
     """Time compare(model, inputs, [variant]) against bare runs of `hand_dtypes` (fresh copies), `rounds`
-    paired rounds, order alternating, after a warm-up of both on the first 16 tokens (imports, kernels);
+    paired rounds, order alternating, after one untimed warm-up round;
     the ratio and the overhead are the medians of the per-round ratios and differences."""
     from pytest_precision import compare
 
@@ -1153,11 +1153,10 @@ def one_variant_pair(
     def compare_on(batch: dict[str, Any]) -> Callable[[], Any]:
         return lambda: compare(model, batch, [variant], backward=backward)
 
-    short = {key: value[:, :16] for key, value in inputs.items()}
-    compare_on(short)()
-    hand_written_on(short)()
     functions = {"hand-written": hand_written_on(inputs), "compare": compare_on(inputs)}
-    times = interleave(functions, rounds, warmup=0)
+    # One full-size warm-up round: on this machine the first one or two full-size forward+backward passes of a
+    # process ran ~7x slower than later ones (8-layer fp32: 8 s, then 1.1 s, whichever side ran them).
+    times = interleave(functions, rounds, warmup=1)
     pair = Pair(
         label,
         times,
@@ -1344,7 +1343,7 @@ def bench_fp32_speed_suite(quick: bool, repeats: int, sections: list[str]) -> li
         BUILTIN_VARIANTS["fp32_sdpa"],
         Variant(name="fp32_b", dtype="float32", matmul_precision="medium"),
     ]
-    for variant in variants:  # each runs (and warms up), on the first 16 tokens
+    for variant in variants:  # each runs, on the first 16 tokens
         compare(model, {key: value[:, :16] for key, value in inputs.items()}, [variant])
     found = [n for n in REFERENCE_MODULES if importlib.util.find_spec(n) is not None]
     if not found:
@@ -1359,7 +1358,7 @@ def bench_fp32_speed_suite(quick: bool, repeats: int, sections: list[str]) -> li
             _bare_variant(model, inputs, variant, pin_backend=True)
 
     functions: dict[str, Callable[[], Any]] = {"ideal": ideal, **suites}
-    times = interleave(functions, 2 if quick else 7, warmup=0)
+    times = interleave(functions, 2 if quick else 5, warmup=1)  # warm-up: see one_variant_pair
     ratios = {name: paired_ratio(times, name, "ideal") for name in suites}
     overheads = {name: paired_difference(times, name, "ideal") * 1000 for name in suites}
     names = ", ".join(f"`{v.name}`" for v in variants)
