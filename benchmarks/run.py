@@ -1068,7 +1068,7 @@ def _threads() -> int:
 SMOL = {"layers": 30, "hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "vocab": 49152, "batch": 1}
 SMOL_TOKENS = 512
 SMOL_QUICK = {**SMOL, "layers": 2, "vocab": 8192}
-SMOL_QUICK_TOKENS = 64
+SMOL_QUICK_TOKENS = 32
 
 #: Why fp16 stays out of benchmarks 7-9 (the sections say it).
 NO_FP16 = (
