@@ -72,7 +72,7 @@ def build_model(spec: dict[str, int]) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(config)
     model.eval()
     return model
 
@@ -179,71 +179,233 @@ def machine() -> dict[str, str]:
     }
 
 
-#: Library functions timed inside compare() (inclusive wall time, summed over calls): (module, attribute).
+#: Library functions timed inside compare() (wall time, summed over calls): label -> (module, attribute); an
+#: attribute "Class.method" is wrapped on the class. The library is being rewritten: both the old and the new
+#: names are listed, and those this checkout lacks are skipped (their rows read "not in this library").
 LIBRARY_PARTS = {
     "model build (deepcopy + cast: build_run_model)": ("pytest_precision.comparison", "build_run_model"),
     "fp16 loss-scale calibration pass (an extra fp16 run)": ("pytest_precision.comparison", "_calibrate_loss_scale"),
+    "reference sink (_ReferenceKeeper.__call__)": ("pytest_precision.comparison", "_ReferenceKeeper.__call__"),
+    "variant sink (_VariantPass.measure)": ("pytest_precision.comparison", "_VariantPass.measure"),
     "per-tensor metrics (tensor_error, inside the hooks)": ("pytest_precision.comparison", "tensor_error"),
+    "per-tensor metrics (metrics.tensor_error)": ("pytest_precision.metrics", "tensor_error"),
+    "reference sums (metrics.reference_sums)": ("pytest_precision.metrics", "reference_sums"),
+    "error sums (metrics.error_sums)": ("pytest_precision.metrics", "error_sums"),
+    "metrics from sums (metrics.errors_from_sums)": ("pytest_precision.metrics", "errors_from_sums"),
     "vocabulary KL / top-1 (distribution_stats)": ("pytest_precision.comparison", "distribution_stats"),
+    "vocabulary KL / top-1 sums (logprobs.distribution_sums)": ("pytest_precision.logprobs", "distribution_sums"),
     "chosen-token log-probs (chosen_logprobs)": ("pytest_precision.comparison", "chosen_logprobs"),
+    "chosen-token log-probs (logprobs.chosen_logprobs)": ("pytest_precision.logprobs", "chosen_logprobs"),
     "log-ratio stats (log_ratio_stats)": ("pytest_precision.comparison", "log_ratio_stats"),
+    "log-ratio sums (logprobs.log_ratio_sums)": ("pytest_precision.logprobs", "log_ratio_sums"),
+    "host transfer of the run's sums (resolve_pending)": ("pytest_precision.comparison", "resolve_pending"),
     "parameter checksum (state_checksum, comparison)": ("pytest_precision.comparison", "state_checksum"),
     "parameter checksum (state_checksum, cache key)": ("pytest_precision.references", "state_checksum"),
     "parameter categories (parameter_categories)": ("pytest_precision.comparison", "parameter_categories"),
 }
 
+#: The parts "where the time goes" adds up (benchmarks 7 and 8): category -> the LIBRARY_PARTS labels in it.
+#: A category's time is its functions' own time: minus whatever timed function ran inside them (the sinks
+#: minus the metric, log-prob and KL work they call), so the categories do not overlap.
+CATEGORIES = {
+    "copy (model build: build_run_model)": ["model build (deepcopy + cast: build_run_model)"],
+    "hooks (the sinks, excluding the metric / log-prob / KL work inside them)": [
+        "reference sink (_ReferenceKeeper.__call__)",
+        "variant sink (_VariantPass.measure)",
+    ],
+    "metrics (per-tensor error)": [
+        "per-tensor metrics (tensor_error, inside the hooks)",
+        "per-tensor metrics (metrics.tensor_error)",
+        "reference sums (metrics.reference_sums)",
+        "error sums (metrics.error_sums)",
+        "metrics from sums (metrics.errors_from_sums)",
+    ],
+    "log-probs (chosen-token log-probs, log-ratio stats)": [
+        "chosen-token log-probs (chosen_logprobs)",
+        "chosen-token log-probs (logprobs.chosen_logprobs)",
+        "log-ratio stats (log_ratio_stats)",
+        "log-ratio sums (logprobs.log_ratio_sums)",
+    ],
+    "KL / top-1 (full-vocabulary distributions)": [
+        "vocabulary KL / top-1 (distribution_stats)",
+        "vocabulary KL / top-1 sums (logprobs.distribution_sums)",
+    ],
+    "host transfer (resolve_pending)": ["host transfer of the run's sums (resolve_pending)"],
+}
+MODEL_FORWARD = "model forward (incl. fw capture hooks)"
+MODEL_BACKWARD = "backward (incl. bw/grad hooks and their metrics)"
+HAND_COPY = "hand-written copies (bare_copy)"
+
+
+@dataclass
+class Timings:
+    """What timed_parts measured: per label, inclusive seconds, own seconds (inclusive minus the timed calls
+    nested inside), calls; and the labels whose function exists in this checkout."""
+
+    inclusive: dict[str, float] = field(default_factory=dict)
+    own: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    found: set[str] = field(default_factory=set)
+
+
+def _resolve(module: str, name: str) -> tuple[Any, str] | None:
+    """(owner, attribute) for "module", "attr" or "module", "Class.attr"; None where it does not exist."""
+    try:
+        owner: Any = importlib.import_module(module)
+    except ImportError:
+        return None
+    *path, attribute = name.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    return (owner, attribute) if hasattr(owner, attribute) else None
+
 
 @contextlib.contextmanager
-def timed_parts(model_class: Any, parts: dict[str, tuple[str, str]]) -> Any:
+def timed_parts(model_class: Any, parts: dict[str, tuple[str, str]], *, hand_written: bool = False) -> Any:
     """Wrap library functions, the model class's forward and Tensor.backward with wall-clock timers.
 
-    Nothing in the library changes: module attributes are swapped for timing wrappers, then restored.
-    Times are inclusive (forward includes the forward hooks, backward the backward hooks and their metrics).
+    Nothing in the library changes: attributes of its modules (or classes) are swapped for timing wrappers,
+    then restored. Inclusive times: forward includes the forward hooks, backward the backward hooks and their
+    metrics. Own times subtract the timed calls nested inside (a stack of the running timers; on CPU the
+    backward hooks run on the calling thread). `hand_written` also times this module's bare_copy.
+    Yields a Timings, filled as the calls return.
     """
     import torch
 
-    totals: dict[str, float] = {}
-    originals: list[tuple[Any, str, Any]] = []
+    timings = Timings()
     targets: dict[str, tuple[Any, str]] = {}
     for label, (module, name) in parts.items():
-        with contextlib.suppress(ImportError):  # the library is edited concurrently: time what exists
-            targets[label] = (importlib.import_module(module), name)
-    targets["model forward (incl. fw capture hooks)"] = (model_class, "forward")
-    targets["backward (incl. bw/grad hooks and their metrics)"] = (torch.Tensor, "backward")
+        resolved = _resolve(module, name)  # the library is edited concurrently: time what exists
+        if resolved is not None:
+            targets[label] = resolved
+    targets[MODEL_FORWARD] = (model_class, "forward")
+    targets[MODEL_BACKWARD] = (torch.Tensor, "backward")
+    if hand_written:
+        targets[HAND_COPY] = (sys.modules[__name__], "bare_copy")
+    stack: list[float] = []  # per running timer: the inclusive seconds of the timed calls nested in it
 
     def wrap(label: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
+            stack.append(0.0)
             start = time.perf_counter()
             try:
                 return function(*args, **kwargs)
             finally:
-                totals[label] = totals.get(label, 0.0) + time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                nested = stack.pop()
+                if stack:
+                    stack[-1] += elapsed
+                timings.inclusive[label] = timings.inclusive.get(label, 0.0) + elapsed
+                timings.own[label] = timings.own.get(label, 0.0) + elapsed - nested
+                timings.calls[label] = timings.calls.get(label, 0) + 1
 
         return timed
 
+    originals: list[tuple[Any, str, Any, bool]] = []
+    wrapped: set[tuple[int, str]] = set()
     for label, (owner, name) in targets.items():
-        if not hasattr(owner, name):
+        if (id(owner), name) in wrapped:  # two labels for one attribute (an old and a new name): time it once
             continue
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        originals.append((owner, name, original))
+        wrapped.add((id(owner), name))
+        timings.found.add(label)
+        own_attribute = not isinstance(owner, type) or name in owner.__dict__
+        original = owner.__dict__[name] if isinstance(owner, type) and own_attribute else getattr(owner, name)
+        originals.append((owner, name, original, own_attribute))
         setattr(owner, name, wrap(label, original))
     try:
-        yield totals
+        yield timings
     finally:
-        for owner, name, original in reversed(originals):
-            setattr(owner, name, original)
+        for owner, name, original, own_attribute in reversed(originals):
+            if own_attribute:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)  # it was inherited: the class's own wrapper goes
 
 
 def breakdown(function: Callable[[], Any], model_class: Any, parts: dict[str, tuple[str, str]]) -> str:
-    """A markdown table of where one call of `function` spends its time."""
+    """A markdown table of where one call of `function` spends its time (inclusive times; rows overlap)."""
     gc.collect()
-    with timed_parts(model_class, parts) as totals:
+    with timed_parts(model_class, parts) as timings:
         start = time.perf_counter()
         function()
         total = time.perf_counter() - start
     rows = [f"| total (one call, timers on) | {total:.3f} | 100% |"]
-    rows += [f"| {label} | {seconds:.3f} | {100 * seconds / total:.1f}% |" for label, seconds in totals.items()]
+    rows += [
+        f"| {label} | {seconds:.3f} | {100 * seconds / total:.1f}% |" for label, seconds in timings.inclusive.items()
+    ]
     return "| part (inclusive; rows overlap) | seconds | share |\n|---|---|---|\n" + "\n".join(rows)
+
+
+def where_time_goes(
+    call: Callable[[], Any], hand_written: Callable[[], Any], model_class: Any, rounds: int = 1
+) -> tuple[str, dict[str, float]]:
+    """Where one call of `call` (a compare()) spends its time, by CATEGORIES, against `hand_written` (the bare
+    runs it is compared with), both under the same timers, interleaved `rounds` times (medians per part).
+
+    "anything else" = the call's total - the hand-written runs' model forward+backward (copies excluded) - the
+    categories; it holds what the hooks cost inside the model beyond the sinks (hook dispatch, the capture
+    code), the Python around the runs, and the difference between the two measurements of the model's own
+    work (noise). Returns the markdown table and the shares of the call (category -> fraction)."""
+    measured: dict[str, list[Timings]] = {"call": [], "hand": []}
+    totals: dict[str, list[float]] = {"call": [], "hand": []}
+    for round_index in range(rounds):
+        order = [("call", call), ("hand", hand_written)]
+        for key, function in order if round_index % 2 == 0 else reversed(order):
+            gc.collect()
+            with timed_parts(model_class, LIBRARY_PARTS, hand_written=key == "hand") as timings:
+                start = time.perf_counter()
+                function()
+                totals[key].append(time.perf_counter() - start)
+            measured[key].append(timings)
+
+    def median_of(key: str, labels: list[str], kind: str = "own") -> float:
+        return med([sum(getattr(t, kind).get(label, 0.0) for label in labels) for t in measured[key]])
+
+    model_labels = [MODEL_FORWARD, MODEL_BACKWARD]
+    total = med(totals["call"])
+    hand_total = med(totals["hand"])
+    hand_model = median_of("hand", model_labels, "inclusive")
+    call_model = median_of("call", model_labels)  # own time: the sinks and the work inside them subtracted
+    found = set().union(*(t.found for t in measured["call"]))
+    rows: list[tuple[str, float, float | None]] = [
+        ("total (one call, timers on)", total, hand_total),
+        ("model forward+backward (compare: excluding the timed parts inside it)", call_model, hand_model),
+    ]
+    shares: dict[str, float] = {}
+    listed = 0.0
+    missing = []
+    for category, labels in CATEGORIES.items():
+        if not found.intersection(labels):
+            missing.append(category)
+            continue
+        seconds = median_of("call", labels)
+        hand = median_of("hand", [HAND_COPY], "inclusive") if category.startswith("copy") else None
+        rows.append((category, seconds, hand))
+        shares[category] = seconds / total
+        listed += seconds
+    other = total - hand_model - listed
+    shares["anything else"] = other / total
+    rows.append(("anything else (total - hand-written model fwd+bwd - the parts above)", other, None))
+    rows.append(
+        (
+            "  of which: the model's fwd+bwd beyond the hand-written one (hook dispatch, capture)",
+            call_model - hand_model,
+            None,
+        )
+    )
+    rows.append(("  of which: outside the model and the parts above", other - (call_model - hand_model), None))
+    lines = [
+        "| part | compare() s | share of the call | hand-written s |",
+        "|---|---|---|---|",
+    ]
+    for label, seconds, hand in rows:
+        hand_cell = "" if hand is None else f"{hand:.3f}"
+        lines.append(f"| {label} | {seconds:.3f} | {100 * seconds / total:.1f}% | {hand_cell} |")
+    if missing:
+        lines.append(f"| not in this library (no function to time): {'; '.join(missing)} | | | |")
+    return "\n".join(lines), shares
 
 
 def section(text: str) -> str:
@@ -432,14 +594,19 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
     return results
 
 
-def _bare_variant(model: Any, inputs: dict[str, Any], variant: Any) -> None:
+def _bare_variant(model: Any, inputs: dict[str, Any], variant: Any, *, pin_backend: bool = False) -> None:
+    """One bare run of `variant` built as compare() builds it; `pin_backend`: under its matmul precision and
+    backend flags too (pinned_backend sets and restores torch flags, nothing else)."""
     import torch
 
+    from pytest_precision.backend_flags import pinned_backend
     from pytest_precision.model_build import build_run_model
 
-    run_model = build_run_model(model, variant, torch.device("cpu"))
-    output = run_model(**inputs)
-    output.loss.backward()
+    flags = pinned_backend(variant, "cpu") if pin_backend else contextlib.nullcontext()
+    with flags:
+        run_model = build_run_model(model, variant, torch.device("cpu"))
+        output = run_model(**inputs)
+        output.loss.backward()
     del run_model, output
 
 
@@ -447,7 +614,7 @@ REFERENCE_MODULES = ("pytest_precision.references", "pytest_precision.reference"
 
 
 def _cached_suites(
-    module_name: str, model: Any, inputs: dict[str, Any], variants: list[str], scales: dict[str, float | None]
+    module_name: str, model: Any, inputs: dict[str, Any], variants: list[Any], scales: dict[Any, float | None]
 ) -> tuple[dict[str, Callable[[], Any]], str]:
     """Suites using the reference cache (`pytest_precision.reference`), each probed once; {} and why if none work.
 
@@ -755,7 +922,7 @@ def _bench_import(quick: bool, repeats: int, sections: list[str], pycache: str) 
         }
         note = " (`-p no:precision -p pytest_precision.plugin`: see run.py)"
 
-        def runner(command: list[str]) -> Callable[[], None]:
+        def runner(command: list[str]) -> Callable[[], object]:
             return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=env)
 
         # A pytest start varies by +-100 ms here: many interleaved rounds in alternating order, and the median
@@ -837,7 +1004,7 @@ def bench_xdist(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
         if check.returncode != 0:
             raise RuntimeError(f"the 8-test suite failed:\n{check.stdout[-3000:]}\n{check.stderr[-2000:]}")
 
-        def runner(command: list[str], extra_env: dict[str, str] | None = None) -> Callable[[], None]:
+        def runner(command: list[str], extra_env: dict[str, str] | None = None) -> Callable[[], object]:
             run_env = {**env, **(extra_env or {})}
             return lambda: subprocess.run(command, cwd=directory, capture_output=True, check=True, env=run_env)
 
@@ -895,6 +1062,343 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+# ------------------------------------------------- 7 / 8: one variant against the hand-written equivalent
+
+#: SmolLM2-135M's configuration (random weights): 30 layers, a 49152-word vocabulary, tied embeddings.
+SMOL = {"layers": 30, "hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "vocab": 49152, "batch": 1}
+SMOL_TOKENS = 512
+SMOL_QUICK = {**SMOL, "layers": 2, "vocab": 8192}
+SMOL_QUICK_TOKENS = 32
+
+#: Why fp16 stays out of benchmarks 7-9 (the sections say it).
+NO_FP16 = (
+    "fp16 is kept out of these figures: this CPU has no fast fp16 kernels, so an fp16 forward+backward takes "
+    "many times the fp32 one (its backward dominates any figure it is in), and the plugin's fp16-only work "
+    "(the loss scale) is benchmark 1's."
+)
+#: The CPU caveat of benchmarks 7-9.
+AVX2 = (
+    "This CPU has AVX2 but no AVX-512 BF16 / AMX: torch computes bf16 matmuls ~11x slower than fp32 here "
+    "(8-layer Llama fwd+bwd: fp32 ~0.4 s, bf16 ~7.5 s), exactly like fp16. A slow variant run hides the "
+    "plugin's fixed cost in the ratio; on a GPU bf16 runs faster than fp32 and the same cost shows more. "
+    'Hence the "GPU-shaped" figure: the same call with `tf32`, a built-in variant that keeps fp32 weights and '
+    'sets the fp32 matmul precision to "high" (TF32; oneDNN on this CPU computes it as fp32), so the variant '
+    "runs at fp32 speed and the plugin's cost shows at least as much as it would on a GPU."
+)
+
+
+def build_smol(spec: dict[str, int]) -> Any:
+    """SmolLM2-135M's LlamaConfig (its layer count and vocabulary from `spec`), random weights, seed 0."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    extra: dict[str, Any] = {"rope_theta": 100000}  # transformers 5 files it under rope_parameters
+    config = LlamaConfig(
+        vocab_size=spec["vocab"],
+        hidden_size=spec["hidden"],
+        intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"],
+        num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["kv_heads"],
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-5,
+        **extra,
+    )
+    torch.manual_seed(SEED)
+    model: Any = LlamaForCausalLM(config)
+    model.eval()
+    return model
+
+
+@dataclass
+class Pair:
+    """compare() with one variant against its hand-written equivalent, timed in paired rounds."""
+
+    label: str
+    times: dict[str, list[float]]
+    ratio: float
+    overhead_ms: float
+
+    def line(self) -> str:
+        return (
+            f"- {self.label}: hand-written {spread(self.times['hand-written'])}; compare "
+            f"{spread(self.times['compare'])} -> **{self.ratio:.2f}x**, overhead **{self.overhead_ms:+.0f} ms** "
+            f"(process CPU time: {cpu_ratio(self.times, 'compare', 'hand-written')})"
+        )
+
+
+def one_variant_pair(
+    label: str,
+    model: Any,
+    inputs: dict[str, Any],
+    variant: str,
+    hand_dtypes: tuple[str, ...],
+    *,
+    backward: bool,
+    rounds: int,
+) -> tuple[Pair, Callable[[], Any], Callable[[], Any]]:
+    """Time compare(model, inputs, [variant]) against bare runs of `hand_dtypes` (fresh copies), `rounds`
+    paired rounds, order alternating, after one untimed warm-up round;
+    the ratio and the overhead are the medians of the per-round ratios and differences."""
+    from pytest_precision import compare
+
+    def hand_written_on(batch: dict[str, Any]) -> Callable[[], None]:
+        def run() -> None:
+            for dtype in hand_dtypes:
+                bare_run(model, batch, dtype, backward=backward)
+
+        return run
+
+    def compare_on(batch: dict[str, Any]) -> Callable[[], Any]:
+        return lambda: compare(model, batch, [variant], backward=backward)
+
+    functions = {"hand-written": hand_written_on(inputs), "compare": compare_on(inputs)}
+    # One full-size warm-up round: on this machine the first one or two full-size forward+backward passes of a
+    # process ran ~7x slower than later ones (8-layer fp32: 8 s, then 1.1 s, whichever side ran them).
+    times = interleave(functions, rounds, warmup=1)
+    pair = Pair(
+        label,
+        times,
+        paired_ratio(times, "compare", "hand-written"),
+        paired_difference(times, "compare", "hand-written") * 1000,
+    )
+    return pair, functions["compare"], functions["hand-written"]
+
+
+def _pair_result(name: str, pair: Pair, target: float) -> Result:
+    return Result(
+        name,
+        f"{pair.ratio:.2f}x ({pair.overhead_ms:+.0f} ms)",
+        f"<= {target:.2f}x",
+        _verdict(pair.ratio <= target),
+        [f"n={len(pair.times['compare'])} paired rounds; {cpu_ratio(pair.times, 'compare', 'hand-written')} on CPU"],
+    )
+
+
+def _share_note(shares: dict[str, float]) -> str:
+    return ", ".join(f"{category.split(' (')[0]} {100 * share:.1f}%" for category, share in shares.items())
+
+
+WHERE = (
+    "Where the time goes: one call of each side under wall-clock timers wrapped around the library's functions "
+    "(`LIBRARY_PARTS` in run.py; names this library lacks are skipped), the model class's `forward` and "
+    "`Tensor.backward`. Each part is its functions' own time (the timed calls nested inside subtracted: the "
+    "hooks row is the sinks without the metric, log-prob and KL work they call). The timers add a few "
+    "microseconds per timed call, and the two sides are separate calls: on this shared machine a few % of "
+    "noise lands in the anything-else row."
+)
+
+
+def bench_one_variant(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
+    spec, tokens = sizes(quick)
+    model = build_model(spec)
+    inputs = build_inputs(spec, tokens)
+    bf16, bf16_call, bf16_hand = one_variant_pair(
+        "bf16 (fp32 reference + bf16 variant; hand-written: fp32 copy + bf16 copy)",
+        model,
+        inputs,
+        "bf16",
+        ("float32", "bfloat16"),
+        backward=True,
+        rounds=1 if quick else max(repeats, 4),  # ~16 s a round here
+    )
+    tf32, tf32_call, tf32_hand = one_variant_pair(
+        "tf32, GPU-shaped (fp32 reference + tf32 variant; hand-written: fp32 copy + fp32 copy)",
+        model,
+        inputs,
+        "tf32",
+        ("float32", "float32"),
+        backward=True,
+        rounds=2 if quick else 11,  # ~2 s a round: rounds are cheap, the ratio noisy
+    )
+    bf16_table, bf16_shares = where_time_goes(bf16_call, bf16_hand, type(model))
+    tf32_table, tf32_shares = where_time_goes(tf32_call, tf32_hand, type(model), rounds=1 if quick else 3)
+    sections.append(
+        section(
+            f"""\
+            ### 7. One-variant compare() against the hand-written equivalent ({spec["layers"]}-layer Llama)
+
+            Model and inputs of benchmark 1 ({spec["layers"]} layers, hidden {spec["hidden"]}, vocabulary
+            {spec["vocab"]}, {spec["batch"]} x {tokens} tokens). compare side: `compare(model, inputs,
+            [variant])`, forward+backward, every default (module selection, log-probs, KL). Hand-written side:
+            `bare_run` per model: a fresh `copy.deepcopy` + `cast_parameters`, forward with labels,
+            `loss.backward()`, no hooks. Paired rounds, order alternating (`interleave`); the ratio is the
+            median of the per-round ratios, the overhead the median of the per-round differences.
+
+            {bf16.line()}
+            {tf32.line()}
+
+            {AVX2} {NO_FP16}
+
+            {WHERE}
+
+            bf16 ({len(bf16.times["compare"])} rounds above; one call each here):
+
+            {bf16_table}
+
+            tf32, GPU-shaped (median of {1 if quick else 3} interleaved calls of each side):
+
+            {tf32_table}
+            """
+        )
+    )
+    return [
+        _pair_result(f"7 1-variant bf16 fwd+bwd vs hand ({spec['layers']}L)", bf16, 1.10),
+        _pair_result(f"7 1-variant tf32 (GPU-shaped) vs hand ({spec['layers']}L)", tf32, 1.10),
+        Result("7 where tf32's call goes", _share_note(tf32_shares), "-", "n/a"),
+        Result("7 where bf16's call goes", _share_note(bf16_shares), "-", "n/a"),
+    ]
+
+
+def bench_smol(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
+    spec, tokens = (SMOL_QUICK, SMOL_QUICK_TOKENS) if quick else (SMOL, SMOL_TOKENS)
+    start = time.perf_counter()
+    model = build_smol(spec)
+    built = time.perf_counter() - start
+    inputs = build_inputs(spec, tokens)
+    pairs: list[tuple[Pair, Callable[[], Any], Callable[[], Any]]] = [
+        one_variant_pair(
+            "tf32 forward+backward, GPU-shaped (hand-written: fp32 copy + fp32 copy)",
+            model,
+            inputs,
+            "tf32",
+            ("float32", "float32"),
+            backward=True,
+            rounds=1 if quick else 3,  # ~25 s a round here
+        ),
+        one_variant_pair(
+            "tf32 forward only, GPU-shaped (`backward=False`; hand-written: 2 fp32 forwards, `bare_run(..., "
+            "backward=False)`)",
+            model,
+            inputs,
+            "tf32",
+            ("float32", "float32"),
+            backward=False,
+            rounds=1 if quick else 5,
+        ),
+        one_variant_pair(
+            "bf16 forward only (`backward=False`; hand-written: fp32 + bf16 forwards)",
+            model,
+            inputs,
+            "bf16",
+            ("float32", "bfloat16"),
+            backward=False,
+            rounds=1 if quick else 3,  # ~22 s a round here
+        ),
+    ]
+    tables = [where_time_goes(call, hand, type(model)) for _, call, hand in pairs]
+    names = ["tf32 fwd+bwd", "tf32 fwd only", "bf16 fwd only"]
+    parts = "\n\n".join(f"{name}:\n\n{table}" for name, (table, _) in zip(names, tables, strict=True))
+    sections.append(
+        section(
+            f"""\
+            ### 8. One-variant compare() against hand-written: {spec["layers"]} layers, vocabulary {spec["vocab"]}
+
+            SmolLM2-135M's configuration with random weights (seed {SEED}): `LlamaConfig(vocab_size=49152,
+            hidden_size=576, intermediate_size=1536, num_hidden_layers={spec["layers"]}, num_attention_heads=9,
+            num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True, rms_norm_eps=1e-5,
+            rope_theta=100000)`, {spec["batch"]} x {tokens} random tokens with labels (model built in
+            {built:.1f} s). Method as benchmark 7.
+
+            {pairs[0][0].line()}
+            {pairs[1][0].line()}
+            {pairs[2][0].line()}
+
+            bf16 forward+backward is not measured: one bare bf16 forward+backward of this model took 127 s here
+            (fp32: 6-18 s on the same loaded machine; the bf16 backward's matmuls run ~11x slower than fp32's),
+            so one paired round would take ~5 minutes and be dominated by those kernels. bf16 is measured
+            forward-only; the tf32 rows give the GPU-shaped figure with and without backward. {AVX2}
+            {NO_FP16}
+
+            {WHERE}
+
+            {parts}
+            """
+        )
+    )
+    results = [
+        _pair_result(f"8 1-variant {name} vs hand ({spec['layers']}L, V={spec['vocab']})", pair, 1.10)
+        for name, (pair, _, _) in zip(names, pairs, strict=True)
+    ]
+    results += [
+        Result(f"8 where {name}'s call goes", _share_note(shares), "-", "n/a")
+        for name, (_, shares) in zip(names, tables, strict=True)
+    ]
+    return results
+
+
+# ------------------------------------------------------ 9: a 4-variant suite of fp32-speed variants
+
+
+def bench_fp32_speed_suite(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
+    from pytest_precision import BUILTIN_VARIANTS, Variant, compare
+
+    spec, tokens = sizes(quick)
+    model = build_model(spec)
+    inputs = build_inputs(spec, tokens)
+    variants = [
+        BUILTIN_VARIANTS["tf32"],
+        BUILTIN_VARIANTS["fp32_eager"],
+        BUILTIN_VARIANTS["fp32_sdpa"],
+        Variant(name="fp32_b", dtype="float32", matmul_precision="medium"),
+    ]
+    for variant in variants:  # each runs, on the first 16 tokens
+        compare(model, {key: value[:, :16] for key, value in inputs.items()}, [variant])
+    found = [n for n in REFERENCE_MODULES if importlib.util.find_spec(n) is not None]
+    if not found:
+        raise RuntimeError("neither pytest_precision.references nor pytest_precision.reference exists")
+    suites, how = _cached_suites(found[0], model, inputs, variants, {})
+    if how:
+        raise RuntimeError(how)
+
+    def ideal() -> None:
+        bare_run(model, inputs, "float32")
+        for variant in variants:
+            _bare_variant(model, inputs, variant, pin_backend=True)
+
+    functions: dict[str, Callable[[], Any]] = {"ideal": ideal, **suites}
+    times = interleave(functions, 2 if quick else 5, warmup=1)  # warm-up: see one_variant_pair
+    ratios = {name: paired_ratio(times, name, "ideal") for name in suites}
+    overheads = {name: paired_difference(times, name, "ideal") * 1000 for name in suites}
+    names = ", ".join(f"`{v.name}`" for v in variants)
+    sections.append(
+        section(
+            f"""\
+            ### 9. A 4-variant suite sharing one reference, fp32-speed variants (GPU-shaped), against the ideal
+
+            Variants {names} (the last `Variant(name="fp32_b", dtype="float32", matmul_precision="medium")`):
+            all keep fp32 weights and run at fp32 speed on this CPU (attention implementations, fp32 matmul
+            precision "high" / "medium", which oneDNN computes as fp32 here), so that, as on a GPU, the variant
+            runs are not slower than the reference and the suite's fixed costs show. Same model and inputs as
+            benchmark 1. Each test is one `compare(..., variants=[v])`. Ideal = one bare fp32 forward+backward
+            plus each variant bare, built as compare() builds it (`model_build.build_run_model`: deepcopy,
+            cast, attention implementation) and run under the same matmul precision (the library's
+            `pinned_backend`, which only sets and restores the torch flags), no hooks. {len(times["ideal"])}
+            paired rounds, order alternating.
+
+            - ideal: {spread(times["ideal"])}
+            - one `ref = pytest_precision.reference(model, inputs)`, each test `compare(ref, variants=[v])`:
+              {spread(times["explicit"])} -> **{ratios["explicit"]:.2f}x** of ideal ({overheads["explicit"]:+.0f} ms)
+            - one `ReferenceCache` (as the `precision` fixture keeps one per session), each test
+              `compare(model, inputs, [v], cache=cache)`: {spread(times["cached"])} ->
+              **{ratios["cached"]:.2f}x** of ideal ({overheads["cached"]:+.0f} ms)
+
+            {NO_FP16} Benchmark 2 is the same suite with bf16 / fp16 variants.
+            """
+        )
+    )
+    return [
+        Result(
+            f"9 4 fp32-speed variants, {label} vs ideal",
+            f"{ratios[name]:.2f}x ({overheads[name]:+.0f} ms)",
+            "<= 1.05x",
+            _verdict(ratios[name] <= 1.05),
+        )
+        for name, label in (("explicit", "one Reference"), ("cached", "ReferenceCache"))
+    ]
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -917,6 +1421,9 @@ def main() -> None:
         "4": bench_memory,
         "5": bench_import,
         "6": bench_xdist,
+        "7": bench_one_variant,
+        "8": bench_smol,
+        "9": bench_fp32_speed_suite,
     }
     chosen = arguments.only.split(",") if arguments.only else list(benchmarks)
     info = machine()
