@@ -1399,6 +1399,20 @@ def bench_fp32_speed_suite(quick: bool, repeats: int, sections: list[str]) -> li
     ]
 
 
+# ----------------------------------------------------------------------------- 10: scale (scale.py)
+
+
+def bench_scale(quick: bool, repeats: int, sections: list[str]) -> list[Result]:
+    """Time and peak memory against depth, sequence length and vocabulary; the 7B-on-80-GB estimate."""
+    benchmarks_dir = str(Path(__file__).resolve().parent)
+    if benchmarks_dir not in sys.path:
+        sys.path.insert(0, benchmarks_dir)
+    import scale as scale_benchmark
+
+    rows = scale_benchmark.bench_scale(quick, repeats, sections)
+    return [Result(f"10 {r['name']}", r["figure"], r["target"], r["verdict"], list(r["notes"])) for r in rows]
+
+
 # ------------------------------------------------------------------------------------------- main
 
 
@@ -1424,6 +1438,7 @@ def main() -> None:
         "7": bench_one_variant,
         "8": bench_smol,
         "9": bench_fp32_speed_suite,
+        "10": bench_scale,
     }
     chosen = arguments.only.split(",") if arguments.only else list(benchmarks)
     info = machine()

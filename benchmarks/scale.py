@@ -94,7 +94,9 @@ def build_model(spec: dict[str, int], positions: int = 4096) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
-    return LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(config)
+    model.eval()
+    return model
 
 
 def build_inputs(vocab: int, batch: int, tokens: int) -> dict[str, Any]:
@@ -477,7 +479,7 @@ def paper_7b(depth_rows: list[Row], sections: list[str]) -> list[dict[str, Any]]
             detail_label = f"{label}, {batch} x {tokens} tokens"
     fp32_rates, bf16_rates = saved_activation_rates("float32"), saved_activation_rates("bfloat16")
 
-    rows_out = []
+    rows_out: list[dict[str, Any]] = []
     parts = []
     spec = SEVEN_B
     params = llama_parameters(spec)
