@@ -94,7 +94,7 @@ def build_model(spec: dict[str, int], positions: int = 4096) -> Any:
         tie_word_embeddings=False,
     )
     torch.manual_seed(SEED)
-    model = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(config)
     model.eval()
     return model
 
