@@ -62,6 +62,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
     ),
     "variants.py": ("tests/unit/test_variants.py", "tests/unit/test_compare.py"),
     "logprobs.py": (
+        "tests/unit/test_cross_engine.py",
         "tests/unit/test_vocabulary_chunks.py",
         "tests/unit/test_language_models.py",
         "tests/unit/test_models_that_work.py",

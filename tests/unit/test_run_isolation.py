@@ -431,3 +431,14 @@ def test_a_non_finite_intermediate_with_a_finite_output_is_still_refused() -> No
     model = nn.Sequential(scale, Exp(), nn.Tanh())  # exp overflows to inf; tanh(inf) = 1 is finite again
     with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: NaN/Inf first appear in 1 \(fw\)"):
         compare(model, torch.rand(3, 4) + 1, ["bf16"], backward=False, modules=r"\d")  # every child captured
+
+
+def test_a_reference_reaching_plus_inf_beside_finite_values_is_an_error() -> None:
+    # Only the largest value is +inf: the check reads each tensor's extremes, both of them.
+    model = nn.Sequential(nn.Linear(3, 3), Exp())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(3))
+        model[0].bias.zero_()
+    x = torch.tensor([[1.0, 100.0, -3.0]])
+    with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: NaN/Inf first appear in 1 \(fw\)"):
+        compare(model, x, ["bf16"], modules=["1"], backward=False)
