@@ -315,11 +315,9 @@ def error_sums(
         x = x_all[start : start + step]
         y = y_all[start : start + step]
         y_low, y_high = torch.aminmax(y)
-        if variant_scale == 1:
-            d = torch.sub(y, x)  # y upcast on the fly: one pass
-        else:
-            d = y.to(torch.float32, copy=True).div_(variant_scale).sub_(x)
-        d.mul_(scale)
+        # y upcast on the fly by the subtraction (one pass); a loss-scaled y unscaled first.
+        unscaled = y if variant_scale == 1 else y.to(torch.float32, copy=True).div_(variant_scale)
+        d = torch.sub(unscaled, x).mul_(scale)
         d_low, d_high = torch.aminmax(d)
         sum_d = _sum(d)
         chunks.append(

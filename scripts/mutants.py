@@ -184,7 +184,12 @@ MUTANTS: list[Mutant] = [
         "metrics.py", "centred = scaled.sub_(scaled_shift)", "centred = scaled", "reference not centred: var(x) cancels"
     ),
     _m("metrics.py", "_sum(x * d) - shift * sum_d,", "_sum(x * d),", "cross sum not centred"),
-    _m("metrics.py", "d.sub_(x).mul_(scale)", "d.sub_(x)", "difference not scaled with the reference"),
+    _m(
+        "metrics.py",
+        "d = torch.sub(unscaled, x).mul_(scale)",
+        "d = torch.sub(unscaled, x)",
+        "difference not scaled with the reference",
+    ),
     _m(
         "metrics.py",
         ".clamp(-MAGNITUDE_LIMIT, MAGNITUDE_LIMIT)",
