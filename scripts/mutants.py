@@ -161,8 +161,8 @@ MUTANTS: list[Mutant] = [
     _m("metrics.py", "y = y / variant_scale", "y = y * variant_scale", "loss scale applied instead of removed"),
     _m(
         "metrics.py",
-        "d.div_(variant_scale)",
-        "d.mul_(variant_scale)",
+        "copy=True).div_(variant_scale)",
+        "copy=True).mul_(variant_scale)",
         "fast pass: loss scale applied instead of removed",
     ),
     _m(
