@@ -49,12 +49,14 @@ def chosen_logprobs(
 
     dtype = dtype or torch.float32
     batch, positions, vocab = logits.shape[0], logits.shape[1] - 1, logits.shape[-1]
-    rows = logits[:, :-1].reshape(batch * positions, vocab)
+    rows = logits.reshape(-1, vocab)  # a view of the model's (contiguous) logits
     flat_targets = targets.reshape(batch * positions, 1).to(logits.device)
     chosen = torch.empty(batch * positions, dtype=dtype, device=logits.device)
     step = max(1, chunk_elements(logits.device) // max(vocab, 1))
     for start in range(0, batch * positions, step):
-        work = rows[start : start + step].to(dtype, copy=True)
+        # flat position p of logits[:, :-1] is row p + p // positions of the whole logits
+        index = torch.arange(start, min(start + step, batch * positions), device=logits.device)
+        work = rows.index_select(0, index + index // max(positions, 1)).to(dtype)
         if temperature != 1:
             work /= temperature
         chosen[start : start + step] = torch.log_softmax(work, dim=-1).gather(-1, flat_targets[start : start + step])[

@@ -402,6 +402,12 @@ MUTANTS: list[Mutant] = [
     _m("logprobs.py", "work /= temperature", "work *= temperature", "temperature multiplied"),
     _m(
         "logprobs.py",
+        "rows.index_select(0, index + index // max(positions, 1))",
+        "rows.index_select(0, index)",
+        "chosen log-probs read from the wrong rows when the batch holds several sequences",
+    ),
+    _m(
+        "logprobs.py",
         "low, high = math.log1p(-clip_eps), math.log1p(clip_eps)",
         "low, high = -clip_eps, clip_eps",
         "clip band in ratio space, not log space",

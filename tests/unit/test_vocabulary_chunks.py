@@ -68,3 +68,33 @@ def test_chosen_logprobs_match_numpy_and_one_whole_log_softmax(monkeypatch, chun
     log_p = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
     expected = np.take_along_axis(log_p, targets.numpy()[..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(chosen.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+class _LargestTensor(torch.overrides.TorchFunctionMode):
+    """The largest number of elements of any new tensor an op returns inside the block (views allocate none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        result = func(*args, **(kwargs or {}))
+        for value in result if isinstance(result, (tuple, list)) else (result,):
+            if isinstance(value, torch.Tensor) and value._base is None:
+                self.largest = max(self.largest, value.numel())
+        return result
+
+
+def test_the_vocabulary_passes_hold_a_chunk_not_a_logits_tensor(monkeypatch):
+    # What keeps a compare's peak at most one logits tensor above its own: the KL / top-1 and log-prob passes
+    # make no temporary larger than a chunk of rows (no boolean-indexed copy of the counted positions).
+    generator = torch.Generator().manual_seed(5)
+    reference = torch.randn(4, 65, 96, generator=generator)
+    variant = reference + 0.01 * torch.randn(reference.shape, generator=generator)
+    valid = torch.rand(4, 64, generator=generator) > 0.3
+    targets = torch.randint(0, 96, (4, 64), generator=generator)
+    monkeypatch.setattr(metrics_module, "CPU_CHUNK_ELEMENTS", 4 * 96)  # 4 rows of the vocabulary
+    with _LargestTensor() as watched:
+        distribution_stats(reference, variant, valid)
+        chosen_logprobs(reference, targets)
+    assert 0 < watched.largest <= 4 * 96
