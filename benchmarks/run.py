@@ -57,22 +57,24 @@ def sizes(quick: bool) -> tuple[dict[str, int], int]:
     return (QUICK, QUICK_TOKENS) if quick else (FULL, FULL_TOKENS)
 
 
-def build_model(spec: dict[str, int]) -> Any:
+def build_model(spec: dict[str, int], positions: int = 1024, **config: Any) -> Any:
+    """A Llama of `spec`'s sizes with random weights (seed SEED), in eval mode; `config` overrides LlamaConfig
+    fields (untied head by default)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    settings: dict[str, Any] = {"max_position_embeddings": max(positions, 1024), "tie_word_embeddings": False}
+    llama_config = LlamaConfig(
         vocab_size=spec["vocab"],
         hidden_size=spec["hidden"],
         intermediate_size=spec["intermediate"],
         num_hidden_layers=spec["layers"],
         num_attention_heads=spec["heads"],
         num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        **{**settings, **config},
     )
     torch.manual_seed(SEED)
-    model: Any = LlamaForCausalLM(config)
+    model: Any = LlamaForCausalLM(llama_config)
     model.eval()
     return model
 
@@ -1089,26 +1091,8 @@ AVX2 = (
 
 def build_smol(spec: dict[str, int]) -> Any:
     """SmolLM2-135M's LlamaConfig (its layer count and vocabulary from `spec`), random weights, seed 0."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    extra: dict[str, Any] = {"rope_theta": 100000}  # transformers 5 files it under rope_parameters
-    config = LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-        **extra,
-    )
-    torch.manual_seed(SEED)
-    model: Any = LlamaForCausalLM(config)
-    model.eval()
-    return model
+    # rope_theta: transformers 5 files it under rope_parameters
+    return build_model(spec, 2048, tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=100000)
 
 
 @dataclass

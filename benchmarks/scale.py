@@ -18,12 +18,10 @@ benchmarks/run.py calls `scale.bench_scale(quick, repeats, sections)`: it return
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -33,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import run as run_benchmarks  # noqa: E402  (benchmarks/run.py: the model and the peak-memory reader)
 
 SEED = 0
 #: The 8-layer Llama of run.py (hidden 256, vocabulary 4096), batch and tokens per row below.
@@ -80,23 +81,8 @@ def tables(quick: bool) -> dict[str, list[Row]]:
 
 
 def build_model(spec: dict[str, int], positions: int = 4096) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=max(positions, 1024),
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(SEED)
-    model: Any = LlamaForCausalLM(config)
-    model.eval()
-    return model
+    """run.py's Llama, with room for `positions` tokens."""
+    return run_benchmarks.build_model(spec, positions)
 
 
 def build_inputs(vocab: int, batch: int, tokens: int) -> dict[str, Any]:
@@ -145,15 +131,6 @@ def interleave(functions: dict[str, Callable[[], Any]], rounds: int) -> dict[str
             function()
             times[name].append(time.perf_counter() - start)
     return times
-
-
-def peak_rss_kib() -> int:
-    """This process's peak resident set (VmHWM; ru_maxrss is inherited across fork + exec, see run.py)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def share(plugin_value: float, hand_value: float) -> float:
@@ -207,12 +184,12 @@ def memory_child(request: str) -> None:
     # Warm the allocator and lazy imports with a tiny run, so both modes start from the same state.
     hand_run(model, {k: v[:, :8] for k, v in inputs.items()}, backward=True)
     gc.collect()
-    before = peak_rss_kib()
+    before = run_benchmarks.peak_rss_kib()
     if job["mode"] == "compare":
         plugin(model, inputs, backward=backward)
     else:
         hand(model, inputs, backward=backward)
-    after = peak_rss_kib()
+    after = run_benchmarks.peak_rss_kib()
     print(json.dumps({"before_kib": before, "after_kib": after, "torch": torch.__version__}))
 
 
