@@ -97,6 +97,7 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_reference_files.py",
         "tests/unit/test_reference.py",
     ),
+    "distributed.py": ("tests/distributed/test_global_sums.py",),
     "cross_engine.py": (
         "tests/unit/test_cross_engine.py",
         "tests/unit/test_reference_files.py",
@@ -653,5 +654,17 @@ MUTANTS: list[Mutant] = [
         'content = content.astype(content.dtype.newbyteorder("="))',
         'content = content.view(content.dtype.newbyteorder("="))',
         "big-endian log-probs reinterpreted instead of converted",
+    ),
+    _m(
+        "distributed.py",
+        "ADDITIVE = (0, 1, 2, 3, 4, 5, 7)  # n",
+        "ADDITIVE = (0, 1, 2, 3, 4, 5)  # n",
+        "non-finite counts not added across ranks (left as this rank's)",
+    ),
+    _m(
+        "distributed.py",
+        "reduced[:, SMALLEST] = extremes[:, len(LARGEST) :].neg()",
+        "reduced[:, SMALLEST] = extremes[:, len(LARGEST) :]",
+        "global minima left negated",
     ),
 ]
