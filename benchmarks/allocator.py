@@ -19,7 +19,7 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,8 @@ CACHING_MALLOC = {
 
 
 def measure(model_name: str, rounds: int) -> dict[str, Any]:
-    """Paired, order-alternating rounds of compare vs hand-written in this process (after one warm-up round)."""
+    """Paired, order-alternating rounds of compare vs hand-written in this process (run.py's `interleave`, one
+    warm-up round)."""
     sys.path.insert(0, str(HERE))
     import run as bench  # benchmarks/run.py: the models and the hand-written side
 
@@ -57,23 +58,29 @@ def measure(model_name: str, rounds: int) -> dict[str, Any]:
         compare(model, inputs, ["tf32"])
 
     sides = {"hand-written": hand, "compare": call}
-    samples: dict[str, list[tuple[float, int, float]]] = {name: [] for name in sides}
-    for round_index in range(rounds + 1):
-        order = list(sides.items())
-        for name, side in order if round_index % 2 == 0 else reversed(order):
-            before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    # Page faults and system CPU per call, counted around each side while run.py's interleave times it.
+    counts: dict[str, list[tuple[int, float]]] = {name: [] for name in sides}
+
+    def counted(name: str, side: Callable[[], None]) -> Callable[[], None]:
+        def run_side() -> None:
+            before = resource.getrusage(resource.RUSAGE_SELF)
             side()
-            elapsed, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
-            if round_index:
-                samples[name].append((elapsed, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
-    ratios = [c[0] / h[0] for c, h in zip(samples["compare"], samples["hand-written"], strict=True)]
-    overheads = [c[0] - h[0] for c, h in zip(samples["compare"], samples["hand-written"], strict=True)]
-    result: dict[str, Any] = {"ratio": statistics.median(ratios), "overhead_s": statistics.median(overheads)}
-    for name, values in samples.items():
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            counts[name].append((after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime))
+
+        return run_side
+
+    times = bench.interleave({name: counted(name, side) for name, side in sides.items()}, rounds, warmup=1)
+    result: dict[str, Any] = {
+        "ratio": bench.paired_ratio(times, "compare", "hand-written"),
+        "overhead_s": bench.paired_difference(times, "compare", "hand-written"),
+    }
+    for name in sides:
+        timed = counts[name][1:]  # the warm-up round's call left out, as interleave leaves out its time
         result[name] = {
-            "seconds": statistics.median(v[0] for v in values),
-            "minor_faults": statistics.median(v[1] for v in values),
-            "system_cpu_s": statistics.median(v[2] for v in values),
+            "seconds": statistics.median(times[name]),
+            "minor_faults": statistics.median(faults for faults, _ in timed),
+            "system_cpu_s": statistics.median(system for _, system in timed),
         }
     return result
 
