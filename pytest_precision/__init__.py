@@ -13,11 +13,13 @@ if TYPE_CHECKING:
     from .assertion import assert_precision_within
     from .comparison import LowPrecisionReferenceWarning, compare
     from .cross_engine import compare_logprobs
+    from .distributed import RankFailure
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
     from .references import Reference, ReferenceCache, reference
     from .report import PrecisionReport, Record
     from .session import PrecisionUnassertedWarning
+    from .sharding import ShardedModel, sharded
     from .variants import BUILTIN_VARIANTS, Variant
 
 __version__ = "0.1.0"
@@ -27,6 +29,9 @@ _EXPORTS = {
     "compare": "comparison",
     "LowPrecisionReferenceWarning": "comparison",
     "PrecisionUnassertedWarning": "session",
+    "RankFailure": "distributed",
+    "ShardedModel": "sharding",
+    "sharded": "sharding",
     "compare_logprobs": "cross_engine",
     "BaselineError": "errors",
     "ConfigurationError": "errors",
@@ -52,9 +57,11 @@ __all__ = [
     "PrecisionError",
     "PrecisionReport",
     "PrecisionUnassertedWarning",
+    "RankFailure",
     "Record",
     "Reference",
     "ReferenceCache",
+    "ShardedModel",
     "TensorError",
     "Variant",
     "__version__",
@@ -63,6 +70,7 @@ __all__ = [
     "compare_logprobs",
     "inputs",
     "reference",
+    "sharded",
     "tensor_error",
 ]
 

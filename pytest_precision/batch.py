@@ -66,6 +66,23 @@ class Batch:
         named = {f"arg{i}": v for i, v in enumerate(self.args)} | self.kwargs
         return {k: list(v.shape) for k, v in named.items() if isinstance(v, torch.Tensor)}
 
+    def digest(self) -> str:
+        """A SHA-256 of the top-level tensor arguments' names, shapes, dtypes and values (do two ranks hold the
+        same inputs?)."""
+        import hashlib
+
+        import torch
+
+        named = {f"arg{i}": v for i, v in enumerate(self.args)} | self.kwargs
+        hasher = hashlib.sha256()
+        for key in sorted(named):
+            value = named[key]
+            if isinstance(value, torch.Tensor):
+                host = value.detach().cpu().contiguous()
+                hasher.update(f"{key}{tuple(host.shape)}{host.dtype}".encode())
+                hasher.update(host.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return hasher.hexdigest()
+
     def token_count(self) -> int | None:
         """Tokens that count: the mask's sum, else the size of `input_ids` (or the first integer 2-D tensor)."""
         import torch

@@ -139,8 +139,11 @@ def _first_grad_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
 
 
 @contextlib.contextmanager
-def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backward: bool) -> Iterator[None]:
-    """Stream fw, bw and grad tensors of `model` to `sink(name, kind, tensor)` while inside the block."""
+def capture(
+    model: nn.Module, module_names: Sequence[str], sink: Sink, *, backward: bool, parameter_grads: bool = True
+) -> Iterator[None]:
+    """Stream fw, bw and grad tensors of `model` to `sink(name, kind, tensor)` while inside the block (the
+    parameters' gradients only with `parameter_grads`: else the caller reads them after backward)."""
     modules = dict(model.named_modules())
     missing = [name for name in module_names if name not in modules]
     if missing:
@@ -177,7 +180,7 @@ def capture(model: nn.Module, module_names: Sequence[str], sink: Sink, *, backwa
             before, after = make_hooks(name)
             handles.append(modules[name].register_forward_pre_hook(before, with_kwargs=True))
             handles.append(modules[name].register_forward_hook(after))
-        if backward:
+        if backward and parameter_grads:
             for param_name, parameter in model.named_parameters():
                 if parameter.requires_grad:
                     handles.append(

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import distributed
 from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
@@ -19,6 +20,7 @@ from .fingerprint import cache_key, state_checksum
 from .isolation import ambient_modes_off, default_device, preserved_rng, seed_run
 from .logprobs import (
     DEFAULT_CLIP_EPS,
+    LOG_RATIO_MAXIMA,
     chosen_logprobs,
     distribution_from_sums,
     distribution_sums,
@@ -39,6 +41,18 @@ from .model_build import FactoryProducts, ModelFactory, build_run_model
 from .positions import Positions, batch_positions, select_positions
 from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
+from .sharding import (
+    Part,
+    ShardedModel,
+    add_vectors,
+    combine_exact_sums,
+    combined_shape,
+    counted,
+    is_dtensor,
+    local_part,
+    mesh_of,
+    plain,
+)
 from .variants import Variant, resolve_reference, resolve_variants, torch_dtype
 
 if TYPE_CHECKING:
@@ -107,6 +121,18 @@ def parameter_categories(model: nn.Module) -> tuple[dict[str, str], bool | None]
     return categories, tied
 
 
+def rank_average(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a sharded parameter's gradient, already reduced by FSDP2 or tensor parallelism) as is; a plain
+    tensor averaged over the ranks, as DDP does with gradients: each rank holds the gradient of its own rows."""
+    import torch.distributed as dist
+
+    if is_dtensor(tensor):
+        return tensor
+    averaged = tensor.detach().clone()
+    dist.all_reduce(averaged, op=dist.ReduceOp.SUM)
+    return averaged.div_(dist.get_world_size())
+
+
 def _is_causal_lm(model: nn.Module) -> bool:
     """Whether next-token log-probabilities mean something: a transformers model that can generate (not a
     masked LM or a classifier); any other model returning `.logits` is taken at its word."""
@@ -115,10 +141,11 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def _logits_of(output: Any) -> torch.Tensor | None:
+    """The (batch, positions, vocabulary) logits of a model output; a DTensor's gathered whole."""
     import torch
 
     logits = output.get("logits") if isinstance(output, Mapping) else getattr(output, "logits", None)
-    return logits if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
+    return plain(logits) if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
 
 
 def fp16_loss_scale(max_gradient: float) -> float:
@@ -141,7 +168,7 @@ class _Runner:
 
     def __init__(
         self,
-        source: nn.Module | ModelFactory,
+        source: nn.Module | ModelFactory | ShardedModel,
         batch: Batch,
         device: torch.device,
         loss_fn: LossFn | None,
@@ -168,6 +195,18 @@ class _Runner:
         self.temperature = temperature
         self.clip_eps = clip_eps
         self.logprob_dtype = logprob_dtype
+        #: Under torch.distributed: each rank's part of every tensor (see sharding), the mesh, and rank 0's
+        #: input shapes and counted tokens (what every rank's RunInfo says, so that the reports agree).
+        self.distributed = distributed.active()
+        self.parts: dict[TensorKey, Part] = {}
+        self.mesh: dict[str, Any] = {}
+        self.inputs_described = (self.batch.shapes(), self.positions.token_count)
+        #: Whether every rank got the same inputs (tensor parallelism) rather than its own rows (data parallel).
+        self.same_inputs = True
+        if self.distributed:
+            everyone = distributed.exchange((self.inputs_described, self.batch.digest()))
+            self.inputs_described = everyone[0][0]
+            self.same_inputs = all(digest == everyone[0][1] for _, digest in everyone)
 
     @property
     def targets(self) -> torch.Tensor | None:
@@ -201,7 +240,16 @@ class _Runner:
             watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
             if origin is not None:
                 watch = trace_nonfinite(model, backward=self.backward)
-            with watch as trace, capture(model, self.module_names, sink, backward=self.backward):
+            if self.distributed:
+                sink = self._localized(sink)
+                self.mesh = mesh_of(model)
+            # Sharded parameters get their gradients after the reduce-scatter, outside autograd's accumulation:
+            # under torch.distributed they are read once backward returned.
+            hooked_grads = not self.distributed
+            with (
+                watch as trace,
+                capture(model, self.module_names, sink, backward=self.backward, parameter_grads=hooked_grads),
+            ):
                 with torch.set_grad_enabled(self.backward), autocast:
                     try:
                         output = model(*args, **kwargs)
@@ -212,7 +260,7 @@ class _Runner:
                 self._log_probabilities(model, output, sink)
                 loss = _loss_of(output, call_inputs, self.loss_fn, variant.name)
                 if loss is not None:
-                    sink("loss", "loss", loss.detach())
+                    sink("loss", "loss", plain(loss).detach())  # under torch.distributed: each rank's loss
                 if self.backward:
                     if loss is None:
                         raise ConfigurationError(
@@ -230,6 +278,12 @@ class _Runner:
                         raise
                     except Exception as error:
                         raise ModelRunError(self._failure(model, variant, error, "backward")) from error
+                    if not hooked_grads:
+                        # Every rank got this far (else its error ends the wait here), before the collectives.
+                        distributed.exchange(None)
+                        for parameter_name, parameter in model.named_parameters():
+                            if parameter.requires_grad and parameter.grad is not None:
+                                sink(parameter_name, "grad", rank_average(parameter.grad))
             if trace is not None and (where := trace.origin()) is not None:
                 assert origin is not None
                 origin[variant.name] = where
@@ -238,8 +292,8 @@ class _Runner:
                 variant=variant.to_dict(),
                 parameter_dtypes=_dtype_counts(model.parameters()),
                 buffer_dtypes=_dtype_counts(b for b in model.buffers() if b.is_floating_point()),
-                input_shapes=self.batch.shapes(),
-                token_count=self.positions.token_count,
+                input_shapes=self.inputs_described[0],
+                token_count=self.inputs_described[1],
                 backend=flags_to_dict(flags),
                 parameter_categories=categories,
                 tied_head=tied,
@@ -247,6 +301,56 @@ class _Runner:
             )
             del model, output, loss
         return info
+
+    def _localized(self, sink: Sink) -> Sink:
+        """`sink` fed this rank's plain part of each tensor, noting how the part counts (sharding.Part)."""
+
+        def localized(name: str, kind: str, tensor: torch.Tensor) -> None:
+            local, part = local_part(tensor)
+            self.parts[(name, kind)] = part
+            sink(name, kind, local)
+
+        return localized
+
+    def global_sums(
+        self, raw: list[_HostSums], distribution: list[float] | None, rows: int
+    ) -> tuple[list[_HostSums], list[float] | None, int]:
+        """The exact sums of the whole tensors from every rank's parts (one exchange), identical on every rank."""
+        keys = [(item.name, item.kind) for item, *_ in raw]
+        local = {
+            "keys": keys,
+            "sums": [values for _, _, values, _ in raw],
+            "parts": [self.parts.get(key, Part(None, item.shape)) for key, (item, *_) in zip(keys, raw, strict=True)],
+            "log_ratio": [log_ratio for *_, log_ratio in raw],
+            "distribution": None if distribution is None else (distribution, rows),
+        }
+        everyone = distributed.exchange(local)
+        for index, other in enumerate(everyone):
+            if other["keys"] != everyone[0]["keys"]:
+                only = sorted(set(map(tuple, other["keys"])) ^ set(map(tuple, everyone[0]["keys"])))
+                raise ModelRunError(
+                    f"rank {index} captured other tensors than rank 0 ({', '.join(f'{n} ({k})' for n, k in only[:6])}"
+                    "): every rank must run the same model on inputs of the same structure"
+                )
+        combined: list[_HostSums] = []
+        for index, (item, _, _, log_ratio) in enumerate(raw):
+            parts = [(other["sums"][index], other["parts"][index]) for other in everyone]
+            chosen = counted(parts)
+            vector = combine_exact_sums([parts[r][0] for r in chosen])
+            shape = combined_shape([parts[r][1] for r in chosen], rows_split=not self.same_inputs)
+            ratio = None
+            if log_ratio is not None:
+                ratio = add_vectors([everyone[r]["log_ratio"][index] for r in chosen], maximum=LOG_RATIO_MAXIMA)
+            combined.append((dataclasses.replace(item, shape=shape), None, vector, ratio))
+        seen: set[str] = set()
+        kept: list[tuple[list[float], int]] = []
+        for sent in everyone:
+            if sent["distribution"] is not None and repr(sent["distribution"]) not in seen:
+                seen.add(repr(sent["distribution"]))
+                kept.append(sent["distribution"])
+        if not kept:
+            return combined, None, 0
+        return combined, add_vectors([values for values, _ in kept], maximum=(1,)), sum(count for _, count in kept)
 
     def _failure(self, model: nn.Module, variant: Variant, error: Exception, phase: str) -> str:
         """What went wrong in a run: the inputs' keys are blamed only for a TypeError about arguments."""
@@ -317,7 +421,9 @@ class LargestGradient:
         self.largest = magnitude if self.largest is None else torch.maximum(self.largest, magnitude)
 
     def value(self) -> float:
-        return 0.0 if self.largest is None else float(self.largest)
+        """The largest |gradient| seen (over every rank under torch.distributed)."""
+        largest = 0.0 if self.largest is None else float(self.largest)
+        return max(distributed.exchange(largest)) if distributed.active() else largest
 
 
 def _calibrate_loss_scale(runner: _Runner, variant: Variant) -> float:
@@ -349,6 +455,10 @@ class _Pending:
     reference: torch.Tensor | None  # reference_sums (fast pass), None for the exact pass
     values: torch.Tensor  # error_sums or exact_sums
     log_ratio: torch.Tensor | None = None
+
+
+#: A _Pending's statistics on the host: (item, reference_sums or None, error_sums or exact_sums, log_ratio_sums).
+_HostSums = tuple[_Pending, list[float] | None, list[float], list[float] | None]
 
 
 def resolve_pending(values: Sequence[torch.Tensor]) -> list[list[float]]:
@@ -413,7 +523,7 @@ class _VariantPass:
         variant_values = runner.masked(name, kind, obtained)
         scale = self.scale if kind in GRADIENT_KINDS else 1.0
         reference_values = None
-        if self.exact or not fast_pass_applies(reference, variant_values):
+        if self.exact or runner.distributed or not fast_pass_applies(reference, variant_values):
             values = exact_sums(reference, variant_values, variant_scale=scale)
         else:
             reference_values = self.sums.get((name, kind))
@@ -437,30 +547,34 @@ class _VariantPass:
         if self.distribution is not None:
             device_values.append(self.distribution)
         host = iter(resolve_pending(device_values))
-        results: list[tuple[_Pending, TensorError | None, list[float] | None]] = []
+        raw: list[_HostSums] = []
         for item in self.pending:
-            if item.reference is None:
-                error: TensorError | None = exact_error(next(host))
-            else:
-                reference = next(host)
-                error = fast_error(item.count, reference, next(host))
-            results.append((item, error, next(host) if item.log_ratio is not None else None))
+            reference = next(host) if item.reference is not None else None
+            values = next(host)
+            raw.append((item, reference, values, next(host) if item.log_ratio is not None else None))
         distribution = next(host) if self.distribution is not None else None
+        rows = self.runner.positions.logits_index
+        row_count = 0 if rows is None else int(rows.numel())
         self.pending.clear()
+        if self.runner.distributed:
+            raw, distribution, row_count = self.runner.global_sums(raw, distribution, row_count)
+        results: list[tuple[_Pending, TensorError | None, list[float] | None]] = []
+        for item, reference, values, log_ratio in raw:
+            error = exact_error(values) if reference is None else fast_error(item.count, reference, values)
+            results.append((item, error, log_ratio))
         self.needs_exact = any(error is None for _, error, _ in results)
         self.overflowed = any(
             error is None or error.nonfinite for item, error, _ in results if item.kind in GRADIENT_KINDS
         )
         if self.needs_exact:
             return
-        rows = self.runner.positions.logits_index
         for item, error, log_ratio in results:
             assert error is not None
             extra: dict[str, Any] = {}
             if log_ratio is not None:
                 extra = dataclasses.asdict(log_ratio_from_sums(log_ratio))
-                if distribution is not None and rows is not None:
-                    extra |= dataclasses.asdict(distribution_from_sums(distribution, int(rows.numel())))
+                if distribution is not None:
+                    extra |= dataclasses.asdict(distribution_from_sums(distribution, row_count))
             self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
 
 
@@ -580,7 +694,7 @@ def _loss_scale_for(loss_scale: LossScale, variant: str) -> float | str | None:
 def _check_model(model: object) -> None:
     from torch import nn
 
-    if not isinstance(model, nn.Module) and not callable(model):
+    if not isinstance(model, (nn.Module, ShardedModel)) and not callable(model):
         raise ConfigurationError(
             f"model: expected a torch.nn.Module or a factory (dtype, device) -> nn.Module, got {type(model).__name__}"
         )
@@ -593,9 +707,12 @@ def _check_repeats(repeats: object) -> int:
 
 
 def _default_offload(model: object, device: torch.device) -> bool:
-    """Offload on CUDA when the model's parameters pass OFFLOAD_THRESHOLD_BYTES (a factory: never)."""
+    """Offload on CUDA when the model's parameters pass OFFLOAD_THRESHOLD_BYTES (a factory: never; a sharded
+    model: by the size of the model it shards)."""
     from torch import nn
 
+    if isinstance(model, ShardedModel):
+        model = model.model
     if device.type != "cuda" or not isinstance(model, nn.Module):
         return False
     size = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -628,7 +745,7 @@ def _runner(ref: Reference, repeats: int = 1) -> _Runner:
 
 
 def build_reference(
-    model: nn.Module | ModelFactory,
+    model: nn.Module | ModelFactory | ShardedModel,
     inputs: Any,
     *,
     reference: str | Variant = "fp32",
@@ -643,7 +760,40 @@ def build_reference(
     checksum: bool = True,
 ) -> Reference:
     """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
-    this model, with the same parameter values, inputs and settings."""
+    this model, with the same parameter values, inputs and settings. Under torch.distributed, a failure on any
+    rank fails every rank alike (see distributed.failures_shared)."""
+    with distributed.failures_shared():
+        return _build_reference(
+            model,
+            inputs,
+            reference=reference,
+            loss_fn=loss_fn,
+            backward=backward,
+            modules=modules,
+            device=device,
+            temperature=temperature,
+            clip_eps=clip_eps,
+            offload=offload,
+            cache=cache,
+            checksum=checksum,
+        )
+
+
+def _build_reference(
+    model: nn.Module | ModelFactory | ShardedModel,
+    inputs: Any,
+    *,
+    reference: str | Variant,
+    loss_fn: LossFn | None,
+    backward: bool,
+    modules: Sequence[str] | str | None,
+    device: str | torch.device | None,
+    temperature: float,
+    clip_eps: float | None,
+    offload: bool | None,
+    cache: ReferenceCache | None,
+    checksum: bool,
+) -> Reference:
     import torch
     from torch import nn
 
@@ -656,10 +806,13 @@ def build_reference(
         raise ConfigurationError(f"clip_eps must be in (0, 1), got {clip_eps}")
     reference_variant = resolve_reference(reference)
     batch = to_batch(inputs)
-    run_device = torch.device(device) if device is not None else default_device(model)
+    unsharded = model.model if isinstance(model, ShardedModel) else model
+    run_device = torch.device(device) if device is not None else default_device(unsharded)
     offload = _default_offload(model, run_device) if offload is None else bool(offload)
-    if isinstance(model, nn.Module):
-        _warn_low_precision_weights(model, reference_variant)
+    if isinstance(unsharded, nn.Module):
+        _warn_low_precision_weights(unsharded, reference_variant)
+    if distributed.active():
+        cache = None  # a hit on one rank and a miss on another would part the ranks' collectives
     keyed = None
     if cache is not None:
         keyed = cache_key(
@@ -768,6 +921,10 @@ class _ReferenceKeeper:
         self.offload = offload
         self.clone_all = clone_all
         self.versions: dict[TensorKey, int] = {}
+        #: The last tensor copied and its copy (held, so that its memory cannot be another tensor's meanwhile).
+        self.last: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: Whether this rank's own part of the reference held NaN/Inf (see check).
+        self.local_nonfinite = False
         #: Per floating tensor, [min, max] over the whole tensor, on the device.
         self.extremes: list[tuple[str, torch.Tensor]] = []
         # A module returning its input as is (dropout in eval) hands over the run's own copy of the caller's
@@ -786,7 +943,12 @@ class _ReferenceKeeper:
             self.extremes.append((kind, whole))
         version = None if self.clone_all or self.offload else _version_of(kept)
         if version is None:
-            kept = _host_copy(kept) if self.offload else kept.clone()
+            # The head's output and the logits come one after the other and are one tensor: copied once.
+            if self.last is not None and _same_view(self.last[0], kept):
+                kept = self.last[1]
+            else:
+                self.last = (kept, _host_copy(kept) if self.offload else kept.clone())
+                kept = self.last[1]
         else:
             self.versions[(name, kind)] = version
         self.stored[(name, kind)] = kept
@@ -802,11 +964,30 @@ class _ReferenceKeeper:
                     nonfinite.append(kind)
             elif kind in GRADIENT_KINDS:
                 largest = max(largest, -low, high)
+        # Parameter gradients are reduced over the ranks, so one rank's NaN reaches every rank's: the others say
+        # whose own data went non-finite.
+        self.local_nonfinite = any(kind != "grad" for kind in nonfinite)
+        if self.runner.distributed:  # every rank must reach the same verdict on the reference
+            everyone = distributed.exchange((nonfinite, largest))
+            nonfinite = list(dict.fromkeys(kind for kinds, _ in everyone for kind in kinds))
+            largest = max(value for _, value in everyone)
         return nonfinite, largest
 
     def untouched(self) -> bool:
         """Whether no tensor kept without a copy was written in place since it was kept."""
         return all(_version_of(self.stored[key]) == version for key, version in self.versions.items())
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are the same view of the same memory."""
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -843,7 +1024,13 @@ def _run_reference(
     if nonfinite:
         stored.clear()
         sums.clear()
-        raise ModelRunError(_nonfinite_reference(runner, variant, nonfinite))
+        message = _nonfinite_reference(runner, variant, nonfinite)  # every rank reruns it: the same collectives
+        if runner.distributed:  # one message on every rank: the diagnosis of the ranks whose part was not finite
+            everyone = distributed.exchange(message if keeper.local_nonfinite else None)
+            ranks = [index for index, said in enumerate(everyone) if said is not None]
+            if ranks:
+                message = f"on rank(s) {', '.join(map(str, ranks))}: {everyone[ranks[0]]}"
+        raise ModelRunError(message)
     if not keeper.untouched():
         keeper = _ReferenceKeeper(runner, stored, sums, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
@@ -925,6 +1112,13 @@ def measure(
 ) -> PrecisionReport:
     """Measure each variant against the reference's stored tensors (the reference does not run again, but
     for repeats > 1, to measure its noise once per Reference)."""
+    with distributed.failures_shared():
+        return _measure(ref, variants, loss_scale=loss_scale, repeats=repeats, verify=verify)
+
+
+def _measure(
+    ref: Reference, variants: Sequence[Variant], *, loss_scale: LossScale, repeats: int, verify: bool
+) -> PrecisionReport:
     if ref.source is None:
         where = f" from {ref.path}" if ref.path else ""
         raise ConfigurationError(
@@ -964,6 +1158,11 @@ def measure(
             seen = {(r.name, r.kind) for r in records}
             missing = [key for key in stored if key not in seen and key[1] != LOGITS_KIND]
             report.add(variant.name, info, records, missing)
+        if runner.distributed:
+            report.distributed = dict(runner.mesh)
+            # Where NaN/Inf started may differ per rank: every rank reports the lowest rank's finding.
+            for origins in reversed(distributed.exchange(report.nonfinite_origin)):
+                report.nonfinite_origin.update(origins)
     return report
 
 

@@ -35,9 +35,11 @@ def device_key(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def environment(device: str, backend: dict[str, Any]) -> dict[str, Any]:
+def environment(device: str, backend: dict[str, Any], distributed: dict[str, Any] | None = None) -> dict[str, Any]:
     """The environment block of a baseline file. `cpu_capability` is the vector ISA ATen dispatches CPU kernels
-    to ("AVX2", "AVX512", ...): CPU bf16 matmuls and reductions block and accumulate differently per ISA."""
+    to ("AVX2", "AVX512", ...): CPU bf16 matmuls and reductions block and accumulate differently per ISA.
+    `world_size` and `mesh` (the device mesh's shape, None unsharded): what a distributed run was split over
+    (see PrecisionReport.distributed)."""
     import torch
 
     return {
@@ -50,4 +52,6 @@ def environment(device: str, backend: dict[str, Any]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "backend": backend,
+        "world_size": (distributed or {}).get("world_size", 1),
+        "mesh": (distributed or {}).get("mesh"),
     }

@@ -79,16 +79,16 @@ class LogRatioStats:
     seq_delta_max: float | None
 
 
-#: Values of `log_ratio_sums`: the number of counted tokens, then the LogRatioStats fields in order.
+#: Values of `log_ratio_sums`: additive over disjoint sets of sequences (data-parallel ranks), but for the
+#: maxima at LOG_RATIO_MAXIMA.
 LOG_RATIO_SUMS = 9
+LOG_RATIO_MAXIMA = (3, 8)
 
 
 def log_ratio_sums(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> torch.Tensor:
-    """LOG_RATIO_SUMS of `delta` (batch, positions) where `valid`, on the device (no host sync).
-
-    Per sequence, the mean delta over its counted tokens; then the mean, std (population), rms and max |.|
-    of those means over the sequences that have any counted token.
-    """
+    """LOG_RATIO_SUMS of `delta` (batch, positions) where `valid`, on the device (no host sync): counted tokens,
+    sum of delta, of delta^2, max |delta|, clipped tokens; sequences with a counted token, sum of their mean
+    delta, of its square, max |mean|. See log_ratio_from_sums."""
     import torch
 
     d = torch.where(valid, delta.to(torch.float64), 0.0)
@@ -97,30 +97,41 @@ def log_ratio_sums(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float 
     clipped = ((d < low) | (d > high)) & valid
     per_sequence_count = valid.sum(dim=1, dtype=torch.float64)
     has_tokens = per_sequence_count > 0
-    sequences = has_tokens.sum(dtype=torch.float64)
     sequence_means = torch.where(has_tokens, d.sum(dim=1) / per_sequence_count.clamp_min(1.0), 0.0)
-    mean_of_means = sequence_means.sum() / sequences
-    spread = torch.where(has_tokens, sequence_means - mean_of_means, 0.0)
+    zero = count.new_zeros(())
     return torch.stack(
         [
             count,
-            d.sum() / count,
-            (d.square().sum() / count).sqrt(),
-            d.abs().max() if d.numel() else count.new_zeros(()),
-            clipped.sum(dtype=torch.float64) / count,
-            mean_of_means,
-            (spread.square().sum() / sequences).sqrt(),
-            (sequence_means.square().sum() / sequences).sqrt(),
-            sequence_means.abs().max() if sequence_means.numel() else count.new_zeros(()),
+            d.sum(),
+            d.square().sum(),
+            d.abs().max() if d.numel() else zero,
+            clipped.sum(dtype=torch.float64),
+            has_tokens.sum(dtype=torch.float64),
+            sequence_means.sum(),
+            sequence_means.square().sum(),
+            sequence_means.abs().max() if sequence_means.numel() else zero,
         ]
     )
 
 
 def log_ratio_from_sums(values: Sequence[float]) -> LogRatioStats:
-    """LogRatioStats from a host copy of log_ratio_sums (all None when no token counts)."""
-    if values[0] == 0:
+    """LogRatioStats from a host copy of log_ratio_sums (all None when no token counts): token mean, rms, max
+    |.| and clipped share; then the mean, population std, rms and max |.| of the per-sequence mean deltas."""
+    count, total, squares, largest, clipped, sequences, means, mean_squares, largest_mean = values
+    if count == 0:
         return LogRatioStats(None, None, None, None, None, None, None, None)
-    return LogRatioStats(*values[1:])
+    mean_of_means = means / sequences
+    variance = max(0.0, mean_squares / sequences - mean_of_means * mean_of_means)
+    return LogRatioStats(
+        total / count,
+        math.sqrt(squares / count),
+        largest,
+        clipped / count,
+        mean_of_means,
+        math.sqrt(variance),
+        math.sqrt(mean_squares / sequences),
+        largest_mean,
+    )
 
 
 def log_ratio_stats(delta: torch.Tensor, valid: torch.Tensor, *, clip_eps: float = DEFAULT_CLIP_EPS) -> LogRatioStats:

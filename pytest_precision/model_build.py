@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fnmatch
 import re
 import weakref
@@ -25,6 +26,8 @@ from .variants import HEAD_MODULE, Variant, torch_dtype
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from .sharding import ShardedModel
 
 ModelFactory = Callable[["torch.dtype", "torch.device"], "nn.Module"]
 
@@ -258,7 +261,7 @@ class FactoryProducts:
 
 
 def build_run_model(
-    source: nn.Module | ModelFactory,
+    source: nn.Module | ModelFactory | ShardedModel,
     variant: Variant,
     device: torch.device,
     products: FactoryProducts | None = None,
@@ -267,6 +270,31 @@ def build_run_model(
     collects a factory's models to refuse one returned twice."""
     from torch import nn
 
+    from .sharding import ShardedModel, check_policy
+
+    if isinstance(source, ShardedModel):
+        unsharded = dataclasses.replace(variant, param_dtype=None, reduce_dtype=None, output_dtype=None)
+        model = build_run_model(source.model, unsharded, device, products)
+        try:
+            result = source.shard(model, variant)
+        except Exception as error:
+            raise ModelRunError(
+                f"run {variant.name!r}: the shard function raised {type(error).__name__}: {error}"
+            ) from error
+        if result is not None and not isinstance(result, nn.Module):
+            raise ConfigurationError(
+                f"run {variant.name!r}: the shard function returned {type(result).__name__}; return the sharded "
+                "model (or None when it shards in place)"
+            )
+        model = model if result is None else result
+        check_policy(model, variant)
+        return model
+    if variant.fsdp_knobs:
+        raise ConfigurationError(
+            f"variant {variant.name!r} sets FSDP2 mixed precision ({variant.fsdp_description()}), which needs a "
+            "sharded model: pass pytest_precision.sharded(model, shard) whose shard(model, variant) calls "
+            "fully_shard(..., mp_policy=variant.mp_policy()), under torch.distributed"
+        )
     if isinstance(source, nn.Module):
         model = copy_cast(source, variant.weight_dtype, device)  # parameters cast, without .grad
     else:

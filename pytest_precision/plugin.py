@@ -17,6 +17,15 @@ import pytest
 
 pytest.register_assert_rewrite("pytest_precision.assertion")
 
+from .launcher import MARKER as DISTRIBUTED_MARKER  # noqa: E402
+from .launcher import (  # noqa: E402
+    RankRecorder,
+    is_launched_rank,
+    launch,
+    marker_request,
+    one_outcome,
+    running_ranks,
+)
 from .session import (  # noqa: E402
     OPTION_ATOL,
     OPTION_BASELINE_DIR,
@@ -38,6 +47,9 @@ from .session import (  # noqa: E402
 )
 
 GPU_MARKER = "precision_gpu"
+RECORDER_KEY = pytest.StashKey[RankRecorder]()
+#: Whether this session created the default process group (torchrun or launched ranks): it destroys it.
+GROUP_CREATED_KEY = pytest.StashKey[bool]()
 STALE_KEY = pytest.StashKey[list[Path]]()
 REPORT_PATH_KEY = pytest.StashKey[Path | None]()
 #: Set when another plugin or a conftest defines --update-baselines: this plugin then answers to
@@ -144,6 +156,14 @@ def _add_update_alias(parser: pytest.Parser) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "precision(rtol=None, atol=None): tolerances of this test's precision gate")
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
+    config.addinivalue_line(
+        "markers",
+        f"{DISTRIBUTED_MARKER}(world_size=N, timeout=600): run this test on N torch.distributed ranks (a plain "
+        "pytest launches them, gloo on CPU, nccl with --precision-gpu; under torchrun it runs in place)",
+    )
+    if is_launched_rank():
+        recorder = config.stash[RECORDER_KEY] = RankRecorder()
+        config.pluginmanager.register(recorder, "precision-rank-recorder")
     if config.getoption("precision_gpu") is None:
         config.option.precision_gpu = bool(config.getini("precision_gpu"))
     session = PrecisionSession.from_config(config)
@@ -163,7 +183,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION_KEY] = session
 
 
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 (or no rank at all)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.stash.get(GROUP_CREATED_KEY, False):
+        from .distributed import shut_down
+
+        shut_down()
     UPDATE_FLAGS[:] = [UPDATE_ALIAS]  # a later session in this process (pytester) starts from the default
 
 
@@ -177,6 +206,10 @@ def _pin_gpu(config: pytest.Config) -> str:
             "--precision-gpu (or ini precision_gpu) needs a CUDA device, and torch sees none "
             f"(torch {torch.__version__}); run without it to test on CPU"
         )
+    if running_ranks() > 1:  # a torch.distributed rank: its own GPU
+        index = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return f"cuda:{index}"
     worker = getattr(config, "workerinput", {}).get("workerid")
     if worker is None:
         return "cuda"
@@ -205,8 +238,21 @@ def pytest_report_header(config: pytest.Config) -> str:
     )
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if running_ranks() > 1:  # torchrun, or a rank the marker launched: join the others
+        from .distributed import init_from_environment
+
+        session.config.stash[GROUP_CREATED_KEY] = init_from_environment()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     config.stash[SESSION_KEY].collected.update(item.nodeid for item in items)
+    ranks = running_ranks()
+    for item in items:
+        request = marker_request(item)
+        if request is not None and ranks > 1 and request.world_size != ranks:
+            reason = f"{DISTRIBUTED_MARKER}: needs {request.world_size} ranks, this process is one of {ranks}"
+            item.add_marker(pytest.mark.skip(reason=reason))
     if config.getoption("precision_gpu"):
         return
     skip = pytest.mark.skip(reason="precision_gpu: needs a CUDA device; run with --precision-gpu")
@@ -280,6 +326,34 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     return result
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """A precision_distributed test in a plain process: launch its ranks instead of calling it here."""
+    request = marker_request(pyfuncitem)
+    if request is None or running_ranks() > 1:
+        return None
+    session = pyfuncitem.config.stash[SESSION_KEY]
+    if session.gpu:
+        import torch
+
+        if torch.cuda.device_count() < request.world_size:
+            pytest.skip(
+                f"{DISTRIBUTED_MARKER}: {request.world_size} ranks need {request.world_size} GPUs (one per rank), "
+                f"this machine has {torch.cuda.device_count()}"
+            )
+    outcomes = launch(pyfuncitem, request, session.forwarded_options(), gpu=session.gpu)
+    for outcome in outcomes[:1]:  # rank 0 wrote the files and holds the session's results
+        session.merge(outcome.get("session") or {})
+        if outcome.get("tables"):
+            pyfuncitem.stash.setdefault(TABLES_KEY, []).append(outcome["tables"])
+    verdict, message = one_outcome(outcomes)
+    if verdict == "failed":
+        pytest.fail(message, pytrace=False)
+    if verdict == "skipped":
+        pytest.skip(message)
+    return True
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
     report = yield
@@ -291,7 +365,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     session = config.stash.get(SESSION_KEY, None)
-    if session is None:
+    if session is None or (running_ranks() > 1 and not is_rank_zero()):
         return
     if session.show_tables:
         shown = False
@@ -327,6 +401,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         # An xdist worker: the controller prints the summary, so hand it this worker's results.
         workeroutput["precision"] = precision_session.export()
         return
+    recorder = config.stash.get(RECORDER_KEY, None)
+    if recorder is not None:
+        # A rank the marker launched: the launching test reports, and its session prunes and writes reports.
+        recorder.write(precision_session.export())
+        return
+    if running_ranks() > 1 and not is_rank_zero():
+        return  # under torchrun, rank 0 alone writes files
     _record_test_outcomes(session, precision_session)
     if (precision_session.update or precision_session.prune) and is_folder(precision_session.baseline_dir):
         from .baseline import remove_stale_temporaries

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
     from .comparison import LossFn
     from .model_build import ModelFactory
+    from .sharding import ShardedModel
 
 TensorKey = tuple[str, str]
 #: safetensors metadata key holding the JSON description of a saved Reference.
@@ -69,7 +70,7 @@ class Reference:
     write and read the captured tensors as safetensors.
     """
 
-    source: nn.Module | ModelFactory | None
+    source: nn.Module | ModelFactory | ShardedModel | None
     batch: Batch
     device: torch.device
     variant: Variant
@@ -102,7 +103,7 @@ class Reference:
     positions: Positions | None = field(default=None, repr=False)
 
     @property
-    def model(self) -> nn.Module | ModelFactory | None:
+    def model(self) -> nn.Module | ModelFactory | ShardedModel | None:
         """The model (or factory) the variants are built from; None for a Reference loaded without one."""
         return self.source
 
@@ -422,7 +423,7 @@ class ReferenceCache:
 
 
 def reference(
-    model: nn.Module | ModelFactory,
+    model: nn.Module | ModelFactory | ShardedModel,
     inputs: Any,
     *,
     reference: str | Variant = "fp32",

@@ -118,6 +118,8 @@ class PrecisionReport:
     missing: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     #: Variant -> where its first NaN/Inf appeared, "module.name (fw)" or "module.name (bw)" (see compare).
     nonfinite_origin: dict[str, str] = field(default_factory=dict)
+    #: Under torch.distributed: {"world_size": N, "mesh": [..] or None, "mesh_dims": [..] or None}; else empty.
+    distributed: dict[str, Any] = field(default_factory=dict)
 
     @property
     def variants(self) -> list[str]:

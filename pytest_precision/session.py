@@ -34,7 +34,9 @@ OPTION_UPDATE = "precision_update"
 #: another plugin or conftest owns --update-baselines (set by the plugin at configure time).
 UPDATE_FLAGS = ["--update-baselines"]
 #: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
-DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability")
+DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability", "world_size", "mesh")
+#: What a baseline without the field was measured with (files from before the field was recorded).
+DRIFT_DEFAULTS: dict[str, Any] = {"world_size": 1, "mesh": None}
 
 STEMS_KEY = pytest.StashKey[set[str]]()
 TABLES_KEY = pytest.StashKey[list[str]]()
@@ -218,18 +220,49 @@ class PrecisionSession:
         tolerances: Mapping[str, Mapping[str, float]] | None = None,
         limits: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
-        """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits."""
+        """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits.
+        Under torch.distributed, rank 0 alone reads and writes the file and every rank gets its verdict."""
         __tracebackhide__ = True
         item.stash[ASSERTED_KEY] = True
-        try:
-            outcome, message = self._gate(item, report, baseline, rtol, atol, metrics, tolerances, limits)
-        except PrecisionError as error:
-            outcome, message = "failed", f"{type(error).__name__}: {error}"
+        from . import distributed
+
+        if distributed.active():
+            outcome, message = self._gate_on_rank_zero(item, report, baseline, rtol, atol, metrics, tolerances, limits)
+        else:
+            outcome, message = self._gated(item, report, baseline, rtol, atol, metrics, tolerances, limits)
         self.outcomes[outcome] += 1
         self.tests.setdefault(item.nodeid, {})["baseline_outcome"] = outcome
         # Failed outside the except block, so the message is not chained to the error and shows once.
         if message is not None:
             pytest.fail(message, pytrace=False)
+
+    def _gated(self, item: pytest.Item, report: PrecisionReport, *arguments: Any) -> tuple[str, str | None]:
+        """_gate, a PrecisionError as a failed outcome."""
+        try:
+            return self._gate(item, report, *arguments)
+        except PrecisionError as error:
+            return "failed", f"{type(error).__name__}: {error}"
+
+    def _gate_on_rank_zero(self, item: pytest.Item, report: PrecisionReport, *arguments: Any) -> tuple[str, str | None]:
+        """Rank 0's verdict on every rank, after checking that every rank holds the same report."""
+        import hashlib
+
+        from . import distributed
+
+        digest = hashlib.sha256(json.dumps(report.to_dict(), sort_keys=True, default=repr).encode()).hexdigest()
+        verdict: tuple[str, str | None] | None = None
+        with distributed.failures_shared():
+            if distributed.rank() == 0:
+                verdict = self._gated(item, report, *arguments)
+        everyone = distributed.exchange((digest, verdict))
+        differing = [str(index) for index, (other, _) in enumerate(everyone) if other != everyone[0][0]]
+        if differing:
+            return "failed", (
+                f"the ranks' reports differ (rank(s) {', '.join(differing)} against rank 0): every rank must compare "
+                "the same model and variants, each on its own part of the data"
+            )
+        outcome, message = everyone[0][1]
+        return outcome, message
 
     def _gate(
         self,
@@ -312,7 +345,8 @@ class PrecisionSession:
             if limit_violations:
                 # Limits hold without a baseline: a run that breaks them is not written as the expectation.
                 return "failed", messages.limit_message(limit_violations, order) + f"\nNot written: {shown}"
-            document = baselines.document(report, item.nodeid, environment(report.device, self._flags(report)))
+            where = environment(report.device, self._flags(report), report.distributed)
+            document = baselines.document(report, item.nodeid, where)
             return self._write(path, document), None
         if not path.exists():
             missing = messages.missing_baseline_message(shown, nodeid)
@@ -344,12 +378,14 @@ class PrecisionSession:
         """Remember, once per file, which environment fields differ from the baseline's (never a failure)."""
         from .environment import environment
 
-        current = environment(report.device, {})
-        differences = [
-            f"{name}: {recorded.get(name)!r} in the baseline, {current.get(name)!r} now"
-            for name in DRIFT_FIELDS
-            if name in recorded and recorded.get(name) != current.get(name)
-        ]
+        current = environment(report.device, {}, report.distributed)
+        differences = []
+        for name in DRIFT_FIELDS:
+            if name not in recorded and name not in DRIFT_DEFAULTS:
+                continue
+            then = recorded.get(name, DRIFT_DEFAULTS.get(name))
+            if then != current.get(name):
+                differences.append(f"{name}: {then!r} in the baseline, {current.get(name)!r} now")
         if differences:
             self.drift.setdefault(os.fspath(shown), differences)
 
@@ -368,6 +404,21 @@ class PrecisionSession:
             return baselines.load_baseline(path, "").loss_scales()
         except PrecisionError:
             return {}  # a corrupt file (a loss scale that is no power of two, ...): the gate fails on it
+
+    def forwarded_options(self) -> list[str]:
+        """This session's precision options as command-line arguments, for the ranks the marker launches."""
+        arguments = ["--precision-baseline-dir", os.fspath(self.baseline_dir)]
+        if self.update:
+            arguments.append(UPDATE_FLAGS[0])
+        if self.gpu:
+            arguments.append("--precision-gpu")
+        if self.strict:
+            arguments.append("--precision-strict")
+        if self.rtol is not None:
+            arguments += ["--precision-rtol", repr(self.rtol)]
+        if self.atol is not None:
+            arguments += ["--precision-atol", repr(self.atol)]
+        return arguments
 
     def _write(self, path: Path, document: dict[str, Any]) -> str:
         """Write the baseline unless its numbers did not move; the outcome: written, updated or unchanged.
@@ -617,6 +668,10 @@ class PrecisionRunner:
             device = str(compare_kwargs["device"])
         if "loss_scale" not in compare_kwargs and not self._session.update:
             scales = self._session.recorded_loss_scales(self._item, baseline, device)
+            from . import distributed
+
+            if distributed.active():  # rank 0's file decides, on every rank
+                scales = distributed.exchange(scales)[0]
             if scales:
                 compare_kwargs["loss_scale"] = scales
         try:

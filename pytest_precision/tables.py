@@ -209,7 +209,15 @@ def decomposition_table(report: PrecisionReport) -> list[str]:
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
     """The summary tables, then (with `full`) each variant's per-tensor table."""
     reference = report.reference.variant.get("name", "fp32")
-    lines = [f"precision: {metric} against the {reference} reference on {report.device}, in execution order"]
+    where = report.device
+    ranks = getattr(report, "distributed", {})
+    if ranks:
+        mesh = ranks.get("mesh")
+        shape = f", mesh {' x '.join(map(str, mesh))}" if mesh else ""
+        names = ranks.get("mesh_dims")
+        shape += f" ({', '.join(names)})" if mesh and names else ""
+        where += f", {ranks['world_size']} ranks{shape}"
+    lines = [f"precision: {metric} against the {reference} reference on {where}, in execution order"]
     for kind in SUMMARY_KINDS:
         table = summary_table(report, kind, metric)
         if table:

@@ -32,6 +32,8 @@ _DTYPE_ALIASES: dict[str, DTypeName] = {
 #: Regexes of the output head of common causal LMs (transformers' `lm_head`, GPT-2's `lm_head`, ...);
 #: `*_fp32_head` variants also match the module returned by `get_output_embeddings()`.
 HEAD_MODULE = "<output head>"
+#: The FSDP2 MixedPrecisionPolicy fields a Variant can set.
+FSDP_KNOBS = ("param_dtype", "reduce_dtype", "output_dtype")
 
 
 def dtype_name(dtype: object) -> DTypeName:
@@ -67,6 +69,9 @@ class Variant:
     backend: `torch.backends` flag paths to values, set only during this variant's run.
     attn_implementation: "eager", "sdpa", ... for transformers models.
     prepare: a callable `model -> model` applied last, for anything else.
+    param_dtype, reduce_dtype, output_dtype: FSDP2 mixed precision (`MixedPrecisionPolicy`) for a model
+        given as pytest_precision.sharded(model, shard): parameters stay `dtype` (fp32 master weights) and
+        the shard function passes `variant.mp_policy()` to fully_shard; None keeps FSDP2's default.
     """
 
     name: str
@@ -77,9 +82,16 @@ class Variant:
     backend: Mapping[str, Any] = field(default_factory=dict)
     attn_implementation: str | None = None
     prepare: Callable[[Any], Any] | None = field(default=None, compare=False)
+    param_dtype: DTypeName | None = None
+    reduce_dtype: DTypeName | None = None
+    output_dtype: DTypeName | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        for knob in FSDP_KNOBS:
+            value = getattr(self, knob)
+            if value is not None:
+                object.__setattr__(self, knob, dtype_name(value))
         object.__setattr__(self, "fp32_modules", tuple(self.fp32_modules))
         object.__setattr__(self, "backend", dict(self.backend))
         if self.matmul_precision not in ("highest", "high", "medium"):
@@ -90,7 +102,27 @@ class Variant:
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
 
     def __hash__(self) -> int:
-        return hash((self.name, self.dtype, self.autocast, self.fp32_modules, self.matmul_precision))
+        return hash((self.name, self.dtype, self.autocast, self.fp32_modules, self.matmul_precision, *self.fsdp_dtypes))
+
+    @property
+    def fsdp_dtypes(self) -> tuple[str | None, ...]:
+        """(param_dtype, reduce_dtype, output_dtype)."""
+        return tuple(getattr(self, knob) for knob in FSDP_KNOBS)
+
+    @property
+    def fsdp_knobs(self) -> bool:
+        """Whether the variant sets FSDP2 mixed precision."""
+        return any(value is not None for value in self.fsdp_dtypes)
+
+    def fsdp_description(self) -> str:
+        return ", ".join(f"{knob}={getattr(self, knob)}" for knob in FSDP_KNOBS if getattr(self, knob) is not None)
+
+    def mp_policy(self) -> Any:
+        """The FSDP2 `MixedPrecisionPolicy` of this variant (all None: no casting, as the fp32 reference)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        param, reduce, output = (None if value is None else torch_dtype(value) for value in self.fsdp_dtypes)
+        return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
 
     @property
     def weight_dtype(self) -> DTypeName:
@@ -108,6 +140,8 @@ class Variant:
             "backend": {k: self.backend[k] for k in sorted(self.backend)},
             "attn_implementation": self.attn_implementation,
             "prepare": None if self.prepare is None else _qualified_name(self.prepare),
+            # Only when set: the files of unsharded runs keep their keys.
+            **{knob: getattr(self, knob) for knob in FSDP_KNOBS if getattr(self, knob) is not None},
         }
 
 
@@ -137,6 +171,10 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         Variant("fp32_sdpa", dtype="float32", attn_implementation="sdpa"),
         Variant("bf16_eager", dtype="bfloat16", attn_implementation="eager"),
         Variant("bf16_sdpa", dtype="bfloat16", attn_implementation="sdpa"),
+        # FSDP2 mixed precision of a sharded model (pytest_precision.sharded): fp32 master weights, bf16
+        # compute, gradients reduce-scattered in fp32 or in bf16.
+        Variant("fsdp_bf16", param_dtype="bfloat16", reduce_dtype="float32"),
+        Variant("fsdp_bf16_reduce_bf16", param_dtype="bfloat16", reduce_dtype="bfloat16"),
     )
 }
 
@@ -185,7 +223,12 @@ def resolve_variants(specs: object) -> list[Variant]:
 def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
     """The reference run: "fp32" (IEEE fp32 matmuls, TF32 off) by default, or "fp64"."""
     reference = resolve_variant(spec, argument="reference")
-    if reference.dtype not in ("float32", "float64") or reference.autocast or reference.matmul_precision != "highest":
+    if (
+        reference.dtype not in ("float32", "float64")
+        or reference.autocast
+        or reference.matmul_precision != "highest"
+        or reference.fsdp_knobs
+    ):
         raise ConfigurationError(
             f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "
             f"{reference.matmul_precision!r}; the reference must be 'fp32' (IEEE) or 'fp64'"

@@ -290,7 +290,8 @@ def test_unknown_variant_lists_the_builtins(pytester, monkeypatch):
     message = (
         "ConfigurationError: variants: unknown variant 'bf17'. Built-in variants: fp64, fp32, tf32, bf16, fp16, "
         "bf16_autocast, fp16_autocast, bf16_fp32_head, fp16_fp32_head, bf16_reduced_reduction, fp32_eager, "
-        "fp32_sdpa, bf16_eager, bf16_sdpa; or pass pytest_precision.Variant(name=..., dtype=..., ...)"
+        "fp32_sdpa, bf16_eager, bf16_sdpa, fsdp_bf16, fsdp_bf16_reduce_bf16; or pass "
+        "pytest_precision.Variant(name=..., dtype=..., ...)"
     )
     assert message in section
     assert "precision tables" not in result.stdout.str()

@@ -213,7 +213,7 @@ def test_a_session_without_precision_tests_does_not_import_torch(pytester):
     result.stdout.fnmatch_lines(
         [
             "loaded: pytest_precision.assertion pytest_precision.environment pytest_precision.errors "
-            "pytest_precision.plugin pytest_precision.session"
+            "pytest_precision.launcher pytest_precision.plugin pytest_precision.session"
         ]
     )
 

@@ -109,7 +109,16 @@ def fp32_oracle(
 # --- every built-in variant ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(BUILTIN_VARIANTS))
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_bf16_reduce_bf16"])
+def test_an_fsdp_variant_of_an_unsharded_model_says_how_to_shard_it(llama: nn.Module, name: str) -> None:
+    with pytest.raises(ConfigurationError, match=rf"variant '{name}' sets FSDP2 mixed precision .*sharded\(model"):
+        compare(llama, make_batch(), [name])
+
+
+UNSHARDED_BUILTINS = sorted(name for name, variant in BUILTIN_VARIANTS.items() if not variant.fsdp_knobs)
+
+
+@pytest.mark.parametrize("name", UNSHARDED_BUILTINS)
 def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
     variant = BUILTIN_VARIANTS[name]
     report = compare(llama, make_batch(), [name])

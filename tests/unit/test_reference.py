@@ -200,6 +200,10 @@ def test_offload_gives_identical_results(llama: nn.Module, uncached: PrecisionRe
     same(compare(ref, variants=VARIANTS), uncached)
     same(compare(llama, batch(), VARIANTS, offload=True), uncached)
     assert not reference(llama, batch(), backward=False).offload  # default on CPU
+    # The head's output and the logits are one tensor: one host copy, not two.
+    head, logits = ref.stored[("lm_head", "fw")], ref.stored[("logits", "logits")]
+    assert head.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+    assert ref.nbytes == sum(t.numel() * t.element_size() for k, t in ref.stored.items() if k != ("logits", "logits"))
 
 
 def test_clear_errors(llama: nn.Module) -> None:

@@ -33,6 +33,8 @@ EXPECTED_BUILTINS = {
     "fp32_sdpa": ("float32", False),
     "bf16_eager": ("bfloat16", False),
     "bf16_sdpa": ("bfloat16", False),
+    "fsdp_bf16": ("float32", False),
+    "fsdp_bf16_reduce_bf16": ("float32", False),
 }
 
 
@@ -207,3 +209,22 @@ def test_to_dict() -> None:
     assert list(data["backend"]) == ["a", "z"]
     assert data["prepare"].endswith("my_prepare")
     assert data["prepare"].startswith(__name__)
+
+
+def test_the_fsdp_variants_keep_fp32_master_weights_and_name_their_policy() -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    fsdp = BUILTIN_VARIANTS["fsdp_bf16"]
+    assert fsdp.weight_dtype == "float32" and fsdp.fsdp_knobs
+    assert fsdp.mp_policy() == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    reduce_bf16 = BUILTIN_VARIANTS["fsdp_bf16_reduce_bf16"]
+    assert reduce_bf16.mp_policy() == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert BUILTIN_VARIANTS["fp32"].mp_policy() == MixedPrecisionPolicy()
+    assert fsdp.to_dict()["param_dtype"] == "bfloat16" and "param_dtype" not in BUILTIN_VARIANTS["bf16"].to_dict()
+    assert Variant("mine", param_dtype="fp16", output_dtype="fp32").fsdp_dtypes == ("float16", None, "float32")
+    assert hash(fsdp) != hash(reduce_bf16)
+
+
+def test_an_fsdp_variant_cannot_be_the_reference() -> None:
+    with pytest.raises(ConfigurationError, match="reference"):
+        resolve_reference("fsdp_bf16")
