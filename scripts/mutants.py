@@ -729,7 +729,7 @@ MUTANTS: list[Mutant] = [
         "        differing = [str(index) for index, (other, _) in enumerate(everyone) if other != everyone[0][0]]",
         "        differing: list[str] = []",
         "ranks holding different reports still get rank 0's verdict",
-        "tests/distributed/test_sharded.py",
+        "tests/distributed/test_gates.py",
     ),
     _m(
         "launcher.py",

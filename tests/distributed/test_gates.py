@@ -50,6 +50,8 @@ def test_gate(precision, assert_precision_within):
     if os.environ.get("DIE_RANK") == str(rank):
         os._exit(3)
     variant = Variant("bf16", dtype="bfloat16", prepare=plant)
+    if os.environ.get("FP16_RANK") == str(rank):  # a rank-dependent test: the global numbers mix two variants
+        variant = Variant("bf16", dtype="float16")
     backward = not os.environ.get("FORWARD_ONLY")
     report = precision.run(rowwise_lm(), {"input_ids": mine, "labels": mine}, [variant], backward=backward)
     assert_precision_within(report)
@@ -160,3 +162,10 @@ def test_a_baseline_from_before_world_sizes_were_recorded_warns_under_several_ra
     code, output = run(project, FORWARD_ONLY="1")
     assert code == 0, output
     assert "world_size: 1 in the baseline, 2 now" in output, output
+
+
+def test_ranks_comparing_different_variants_fail_instead_of_gating_a_mixture(project: Path) -> None:
+    assert run(project, "--update-baselines", FORWARD_ONLY="1")[0] == 0
+    code, output = run(project, FORWARD_ONLY="1", FP16_RANK="1")
+    assert code == 1, output
+    assert "the ranks' reports differ (rank(s) 1 against rank 0)" in output, output
