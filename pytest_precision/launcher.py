@@ -128,7 +128,13 @@ def launch(item: pytest.Item, request: Request, forwarded: list[str], *, gpu: bo
             )
             output.close()
             processes.append(process)
-        ended = _wait(processes, request.timeout)
+        try:
+            ended = _wait(processes, request.timeout)
+        finally:  # interrupted (Ctrl-C, a pytest timeout plugin): no rank outlives the test
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
         outcomes = []
         for rank, process in enumerate(processes):
             result = work / f"rank{rank}.json"
