@@ -744,6 +744,7 @@ def _runner(ref: Reference, repeats: int = 1) -> _Runner:
     return runner
 
 
+@distributed.failures_shared()
 def build_reference(
     model: nn.Module | ModelFactory | ShardedModel,
     inputs: Any,
@@ -762,38 +763,6 @@ def build_reference(
     """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
     this model, with the same parameter values, inputs and settings. Under torch.distributed, a failure on any
     rank fails every rank alike (see distributed.failures_shared)."""
-    with distributed.failures_shared():
-        return _build_reference(
-            model,
-            inputs,
-            reference=reference,
-            loss_fn=loss_fn,
-            backward=backward,
-            modules=modules,
-            device=device,
-            temperature=temperature,
-            clip_eps=clip_eps,
-            offload=offload,
-            cache=cache,
-            checksum=checksum,
-        )
-
-
-def _build_reference(
-    model: nn.Module | ModelFactory | ShardedModel,
-    inputs: Any,
-    *,
-    reference: str | Variant,
-    loss_fn: LossFn | None,
-    backward: bool,
-    modules: Sequence[str] | str | None,
-    device: str | torch.device | None,
-    temperature: float,
-    clip_eps: float | None,
-    offload: bool | None,
-    cache: ReferenceCache | None,
-    checksum: bool,
-) -> Reference:
     import torch
     from torch import nn
 
@@ -1102,6 +1071,7 @@ def _reference_noise(runner: _Runner, ref: Reference, repeats: int) -> dict[Tens
     return ref.noise[repeats]
 
 
+@distributed.failures_shared()
 def measure(
     ref: Reference,
     variants: Sequence[Variant],
@@ -1111,14 +1081,8 @@ def measure(
     verify: bool = True,
 ) -> PrecisionReport:
     """Measure each variant against the reference's stored tensors (the reference does not run again, but
-    for repeats > 1, to measure its noise once per Reference)."""
-    with distributed.failures_shared():
-        return _measure(ref, variants, loss_scale=loss_scale, repeats=repeats, verify=verify)
-
-
-def _measure(
-    ref: Reference, variants: Sequence[Variant], *, loss_scale: LossScale, repeats: int, verify: bool
-) -> PrecisionReport:
+    for repeats > 1, to measure its noise once per Reference). Under torch.distributed, a failure on any rank
+    fails every rank alike."""
     if ref.source is None:
         where = f" from {ref.path}" if ref.path else ""
         raise ConfigurationError(

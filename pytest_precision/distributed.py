@@ -107,8 +107,9 @@ def failure_message(failures: list[tuple[int, str]], ranks: int) -> str:
 
 @contextlib.contextmanager
 def failures_shared() -> Iterator[None]:
-    """Run a block on every rank; an exception on one rank is sent to the others' next exchange and the block
-    raises the same RankFailure on every rank. Without a process group, a plain block."""
+    """Run a block (or, as a decorator, a function) on every rank; an exception on one rank is sent to the
+    others' next exchange and the block raises the same RankFailure on every rank. Without a process group, a
+    plain block."""
     if not active():
         yield
         return
