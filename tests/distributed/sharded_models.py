@@ -76,22 +76,6 @@ def poison_rows_starting_with_zero(model: nn.Module) -> nn.Module:
     return model
 
 
-def tiny_llama(layers: int = 2) -> nn.Module:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def fsdp_per_layer(model: Any, variant: Any, mesh: Any = None) -> None:
     """FSDP2 as training scripts apply it: each decoder layer, then the root."""
     from torch.distributed.fsdp import fully_shard

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from pytest_precision import compare, sharded
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "distributed"))
-from sharded_models import fsdp_per_layer, mse, tensor_parallel, tiny_llama, two_mlps
+from sharded_models import fsdp_per_layer, mse, tensor_parallel, two_mlps
+
+from conftest import tiny_llama
 
 pytestmark = [pytest.mark.precision_gpu, pytest.mark.precision_distributed(world_size=2)]
 
@@ -26,7 +28,10 @@ def test_fsdp2_on_nccl_measures_the_bf16_reduction(precision_device: str) -> Non
     mine = ids[2 * dist.get_rank() :][:2]
     variants = ["fsdp_bf16", "fsdp_bf16_reduce_bf16"]
     report = compare(
-        sharded(tiny_llama(), fsdp_per_layer), {"input_ids": mine, "labels": mine}, variants, device=precision_device
+        sharded(tiny_llama(layers=2), fsdp_per_layer),
+        {"input_ids": mine, "labels": mine},
+        variants,
+        device=precision_device,
     )
     assert report.distributed["world_size"] == 2 and report.device.startswith("cuda")
     fp32_reduce, bf16_reduce = (report.records(v, "grad") for v in variants)
