@@ -295,10 +295,16 @@ SEVEN_B = {"layers": 32, "hidden": 4096, "intermediate": 11008, "heads": 32, "kv
 
 def llama_parameters(spec: dict[str, int]) -> int:
     """Parameters of a LlamaForCausalLM (untied head, no biases)."""
+    return llama_parameter_counts(spec)[0]
+
+
+def llama_parameter_counts(spec: dict[str, int]) -> tuple[int, int, int]:
+    """(all parameters, one decoder layer's, the root's: embedding + final norm + untied lm_head)."""
     hidden, inter, head_dim = spec["hidden"], spec["intermediate"], spec["hidden"] // spec["heads"]
     kv = spec["kv_heads"] * head_dim
     layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter + 2 * hidden
-    return spec["layers"] * layer + 2 * spec["vocab"] * hidden + hidden
+    root = 2 * spec["vocab"] * hidden + hidden
+    return spec["layers"] * layer + root, layer, root
 
 
 def kept_bytes(spec: dict[str, int], batch: int, tokens: int) -> dict[str, Any]:

@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+import scale  # noqa: E402  (benchmarks/scale.py: the Llama, its parameter counts, the saved-activation probe)
 
 GB = 1e9
 #: The measured model (rank-local batch below): small, with distinct sizes so no two formulas coincide.
@@ -46,24 +49,6 @@ KINDS = ("fw", "logits", "bw", "grad", "logprob", "loss")
 # ------------------------------------------------------------------------------------------- the model
 
 
-def build_model(spec: dict[str, int], positions: int) -> Any:
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        max_position_embeddings=positions,
-    )
-    torch.manual_seed(0)
-    model: Any = transformers.LlamaForCausalLM(config)
-    return model.eval()
-
-
 def fsdp_per_layer(model: Any, variant: Any) -> None:
     """FSDP2 as training scripts apply it (tests/distributed/sharded_models.fsdp_per_layer): each decoder layer,
     then the root."""
@@ -72,15 +57,6 @@ def fsdp_per_layer(model: Any, variant: Any) -> None:
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=variant.mp_policy())
     fully_shard(model, mp_policy=variant.mp_policy())
-
-
-def llama_parameters(spec: dict[str, int]) -> tuple[int, int, int]:
-    """(all parameters, one decoder layer's, the root's: embedding + final norm + untied lm_head)."""
-    hidden, inter, head_dim = spec["hidden"], spec["intermediate"], spec["hidden"] // spec["heads"]
-    kv = spec["kv_heads"] * head_dim
-    layer = hidden * hidden * 2 + hidden * kv * 2 + 3 * hidden * inter + 2 * hidden
-    root = 2 * spec["vocab"] * hidden + hidden
-    return spec["layers"] * layer + root, layer, root
 
 
 # ------------------------------------------------------------------------------------------- formulas
@@ -114,7 +90,7 @@ def kept_per_rank(spec: dict[str, int], rows: int, tokens: int, world: int) -> d
         "fw": 4 * n * hidden * (layers + 2) + 4 * n * vocab,
         "logits": 4 * n * vocab,
         "bw": 4 * n * hidden * (layers + 2) + 4 * n * vocab,
-        "grad": 4 * llama_parameters(spec)[0] // world,
+        "grad": 4 * scale.llama_parameter_counts(spec)[0] // world,
         "logprob": 4 * rows * (tokens - 1),
         "loss": 4,
     }
@@ -225,58 +201,6 @@ def own_gradients(model: Any) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------- on paper
 
 
-def saved_rates(dtype_name: str) -> tuple[dict[str, float], dict[str, float]]:
-    """Bytes autograd saves for backward per token, (per decoder layer, outside the layers), per size class
-    (elements per token: hidden, kv, intermediate, vocabulary, heads, head_dim, 1), from a 1- and a 2-layer
-    unsharded probe; parameters excluded, each storage once (scale.py's saved_activation_rates, in short).
-    FSDP2 does not change them: the weights autograd saves are its unsharded parameters, freed after forward."""
-    import torch
-
-    probe = {"layers": 1, "hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 4, "vocab": 1000}
-    tokens = 96
-    dims = {"hidden": 256, "kv": 128, "intermediate": 688, "vocabulary": 1000, "heads": 8, "head_dim": 32, "1": 1}
-    totals: dict[int, dict[str, float]] = {}
-    for layers in (1, 2):
-        model = build_model({**probe, "layers": layers}, tokens).to(getattr(torch, dtype_name))
-        ids = torch.randint(0, probe["vocab"], (1, tokens), generator=torch.Generator().manual_seed(0))
-        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen: dict[int, tuple[int, int]] = {}
-
-        def pack(tensor: Any, parameters: set[int] = parameters, seen: dict[int, tuple[int, int]] = seen) -> Any:
-            pointer = tensor.untyped_storage().data_ptr()
-            if pointer not in parameters and pointer not in seen:
-                seen[pointer] = (tensor.untyped_storage().nbytes(), tensor.element_size())
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = model(input_ids=ids, labels=ids)
-        output.loss.backward()
-        per_class: dict[str, float] = {}
-        for nbytes, size in seen.values():
-            name = next((k for k, v in dims.items() if v == nbytes / size / tokens), "other")
-            per_class[name] = per_class.get(name, 0.0) + nbytes / tokens / dims.get(name, 1)
-        totals[layers] = per_class
-    classes = set(totals[1]) | set(totals[2])
-    layer = {c: totals[2].get(c, 0.0) - totals[1].get(c, 0.0) for c in classes}
-    fixed = {c: totals[1].get(c, 0.0) - layer[c] for c in classes}
-    return layer, fixed
-
-
-def activation_bytes(rates: dict[str, float], spec: dict[str, int], tokens: int) -> float:
-    head_dim = spec["hidden"] // spec["heads"]
-    dims = {
-        "hidden": spec["hidden"],
-        "kv": spec["kv_heads"] * head_dim,
-        "intermediate": spec["intermediate"],
-        "vocabulary": spec["vocab"],
-        "heads": spec["heads"],
-        "head_dim": head_dim,
-        "1": 1,
-        "other": 1,
-    }
-    return tokens * sum(rate * dims[c] for c, rate in rates.items())
-
-
 def backward_scan(base: float, start: float, layer_act: float, layers: int, per_layer: float, end: float) -> float:
     """The peak of a backward: `base` throughout, `start` at its start (all activations saved, the root's
     unsharded head gradient...), then per layer (last first) `layer_act` freed and `per_layer` gained, `end`
@@ -286,9 +210,9 @@ def backward_scan(base: float, start: float, layer_act: float, layers: int, per_
     return base + max(points)
 
 
-def paper(rates: dict[str, tuple[dict[str, float], dict[str, float]]], offload_copies_logits: bool) -> list[str]:
+def paper(rates: dict[str, dict[str, dict[str, float]]], offload_copies_logits: bool) -> list[str]:
     spec, n, world = SEVEN_B, PAPER_ROWS * PAPER_TOKENS, GPUS
-    params, layer_params, root_params = llama_parameters(spec)
+    params, layer_params, root_params = scale.llama_parameter_counts(spec)
     layers, hidden, vocab = spec["layers"], spec["hidden"], spec["vocab"]
     kept = kept_per_rank(spec, PAPER_ROWS, PAPER_TOKENS, world)
     fw_hidden = 4 * n * hidden * (layers + 2)  # the distinct storages: lm_head's fw is the logits
@@ -297,8 +221,8 @@ def paper(rates: dict[str, tuple[dict[str, float], dict[str, float]]], offload_c
     stored_all = stored_fw + kept["bw"] + kept["grad"]
     largest = max(logits, 4 * vocab * hidden // world)  # offload: one kept tensor at a time on the GPU
     act: dict[str, tuple[float, float]] = {}
-    for dtype, (layer_rates, fixed_rates) in rates.items():
-        act[dtype] = (activation_bytes(fixed_rates, spec, n), activation_bytes(layer_rates, spec, n))
+    for dtype, dtype_rates in rates.items():
+        act[dtype] = scale.activations_bytes(dtype_rates, spec, n)  # (outside the layers, per layer)
     full32 = 4 * params
     shards32, layer_grad_shard = 4 * params / world, 4 * layer_params / world
     head_grad, embedding_grad = vocab * hidden + hidden, vocab * hidden  # elements, unsharded in backward (root)
@@ -429,7 +353,7 @@ def main() -> None:
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         torch.set_num_threads(1)
-        model = build_model(SMALL, TOKENS)
+        model = scale.build_model(SMALL, TOKENS)
         configs = [(True, False), (False, False), (True, True), (False, True)]
         mine = {f"{backward}|{offload}": measure(model, backward, offload) for backward, offload in configs}
         gradients = own_gradients(model)
@@ -448,9 +372,9 @@ def main() -> None:
                     "\nActivations autograd saves per token (measured on a 1- and 2-layer unsharded probe)...",
                     flush=True,
                 )
-                rates = {dtype: saved_rates(dtype) for dtype in ("float32", "bfloat16")}
-                for dtype, (layer, fixed) in rates.items():
-                    print(f"- {dtype}: per layer {terms(layer)}; outside the layers {terms(fixed)}")
+                rates = {dtype: scale.saved_activation_rates(dtype) for dtype in ("float32", "bfloat16")}
+                for dtype, dtype_rates in rates.items():
+                    print(f"- {dtype}: {scale.describe_rates(dtype_rates)}")
                 print("\nComputed (on paper) from the formulas verified above:\n")
                 copies = not everyone[0][0]["True|True"]["shared"]
                 print("\n".join(paper(rates, copies)))
@@ -463,12 +387,8 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def terms(rates: dict[str, float]) -> str:
-    return " + ".join(f"{v:g} x {c}" for c, v in sorted(rates.items(), key=lambda item: -item[1]) if v)
-
-
 def report(everyone: list[Any], world: int) -> None:
-    params = llama_parameters(SMALL)[0]
+    params = scale.llama_parameter_counts(SMALL)[0]
     spec = ", ".join(f"{k} {v}" for k, v in SMALL.items())
     print(
         f"Measured: pytest_precision.reference(sharded(model, fsdp_per_layer), ...) on {world} gloo ranks, Llama "
