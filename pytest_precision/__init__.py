@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .arrangements import Arrangement, Call
     from .assertion import assert_precision_within
     from .comparison import LowPrecisionReferenceWarning, compare
     from .cross_engine import compare_logprobs
@@ -25,6 +26,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Arrangement": "arrangements",
+    "Call": "arrangements",
     "assert_precision_within": "assertion",
     "compare": "comparison",
     "LowPrecisionReferenceWarning": "comparison",
@@ -50,7 +53,9 @@ _EXPORTS = {
 
 __all__ = [
     "BUILTIN_VARIANTS",
+    "Arrangement",
     "BaselineError",
+    "Call",
     "ConfigurationError",
     "LowPrecisionReferenceWarning",
     "ModelRunError",

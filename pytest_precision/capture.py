@@ -138,10 +138,18 @@ def _first_grad_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Te
     return None
 
 
+class CallCounts(dict[str, int]):
+    """How often each captured module was called in the current forward (labels `name#k`)."""
+
+    def restart(self) -> None:
+        """A new forward of the model begins: labels start again at `name` (an arrangement's next call)."""
+        self.clear()
+
+
 @contextlib.contextmanager
 def capture(
     model: nn.Module, module_names: Sequence[str], sink: Sink, *, backward: bool, parameter_grads: bool = True
-) -> Iterator[None]:
+) -> Iterator[CallCounts]:
     """Stream fw, bw and grad tensors of `model` to `sink(name, kind, tensor)` while inside the block (the
     parameters' gradients only with `parameter_grads`: else the caller reads them after backward)."""
     modules = dict(model.named_modules())
@@ -152,7 +160,7 @@ def capture(
             "build the same architecture for every dtype"
         )
     handles: list[Any] = []
-    calls: dict[str, int] = {}
+    calls = CallCounts()
 
     def label(name: str) -> str:
         index = calls[name]
@@ -188,7 +196,7 @@ def capture(
                             lambda p, n=param_name: sink(n, "grad", p.grad)
                         )
                     )
-        yield
+        yield calls
     finally:
         for handle in handles:
             handle.remove()

@@ -104,9 +104,11 @@ def measure_checkpoint(
     seed: int,
     device: str,
     backward: bool,
+    isolate: bool = False,
 ) -> PrecisionReport:
     """compare() of the causal LM in `directory` on `batch` sequences of `length` tokens: random ones, or the
-    UTF-8 text of `text_file` tokenized by the checkpoint's own tokenizer. `variants` is comma-separated."""
+    UTF-8 text of `text_file` tokenized by the checkpoint's own tokenizer. `variants` is comma-separated;
+    `isolate` adds each module's isolated error."""
     from .comparison import compare
     from .inputs import from_text, random_tokens
     from .variants import resolve_variant
@@ -161,4 +163,6 @@ def measure_checkpoint(
                 f"{directory / 'config.json'}: vocab_size is {vocab!r}, not a positive integer; random tokens need it"
             )
         ids = random_tokens(vocab, batch, length, seed=seed)
-    return compare(factory, {"input_ids": ids, "labels": ids}, names, device=chosen_device, backward=backward)
+    return compare(
+        factory, {"input_ids": ids, "labels": ids}, names, device=chosen_device, backward=backward, isolate=isolate
+    )

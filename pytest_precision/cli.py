@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import PrecisionError
+from .report import KINDS
 from .report_files import reports_in
 
 if TYPE_CHECKING:
@@ -220,6 +221,7 @@ def _run(arguments: argparse.Namespace) -> int:
         seed=arguments.seed,
         device=arguments.device,
         backward=not arguments.forward_only,
+        isolate=arguments.isolate,
     )
     print(report.format(full=arguments.full))
     return 0
@@ -263,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show.add_argument("file")
     show.add_argument("--variant", help="only this variant")
-    show.add_argument("--kind", choices=["fw", "bw", "grad", "logprob", "loss"], help="only tensors of this kind")
+    show.add_argument("--kind", choices=list(KINDS), help="only tensors of this kind")
     show.add_argument("--summary", action="store_true", help="only the summary tables, not every tensor")
     show.set_defaults(handler=_show)
 
@@ -301,6 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
     run.add_argument("--device", default="cpu")
     run.add_argument("--forward-only", action="store_true", help="no backward pass")
+    run.add_argument("--isolate", action="store_true", help="also each module's isolated error (its own share)")
     run.add_argument("--full", action="store_true", help="also print every tensor's row")
     run.set_defaults(handler=_run)
     return parser

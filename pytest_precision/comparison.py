@@ -11,7 +11,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import distributed
+from . import distributed, isolated
+from .arrangements import Arrangement, Assembler, Call, call_length
 from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
@@ -217,12 +218,22 @@ class _Runner:
         return self.positions.valid
 
     def run(
-        self, variant: Variant, sink: Sink, loss_scale: float = 1.0, *, origin: dict[str, str] | None = None
+        self,
+        variant: Variant,
+        sink: Sink,
+        loss_scale: float = 1.0,
+        *,
+        origin: dict[str, str] | None = None,
+        isolation: isolated.Recorded | None = None,
+        recording: isolated.Recorded | None = None,
     ) -> RunInfo:
         """One run of `variant`, streaming its tensors to `sink`; the loss is multiplied by `loss_scale`.
 
         With `origin`, every module is watched for the first NaN/Inf and `origin[variant.name]` is set to
-        where it appeared (see capture.trace_nonfinite), when it did.
+        where it appeared (see capture.trace_nonfinite), when it did. With `isolation` (what a reference run
+        recorded), the run is isolated (see isolated.py): only fw, bw and grad rows of the selected modules
+        reach `sink`, as kinds "fw_isolated", ... With `recording`, the isolation boundaries' inputs and output
+        gradients are recorded into it.
         """
         import torch
 
@@ -243,11 +254,22 @@ class _Runner:
             if self.distributed:
                 sink = self._localized(sink)
                 self.mesh = mesh_of(model)
+            if isolation is not None:
+                return self._run_isolated(model, variant, sink, loss_scale, isolation, (args, kwargs), flags)
+            if variant.arrangement is not None:
+                return self._run_arranged(model, variant, sink, call_inputs, flags, origin)
+            if recording is not None:
+                recorder: contextlib.AbstractContextManager[Any] = isolated.record(
+                    model, isolated.boundaries(self.module_names), backward=self.backward, into=recording
+                )
+            else:
+                recorder = contextlib.nullcontext()
             # Sharded parameters get their gradients after the reduce-scatter, outside autograd's accumulation:
             # under torch.distributed they are read once backward returned.
             hooked_grads = not self.distributed
             with (
                 watch as trace,
+                recorder,
                 capture(model, self.module_names, sink, backward=self.backward, parameter_grads=hooked_grads),
             ):
                 with torch.set_grad_enabled(self.backward), autocast:
@@ -287,19 +309,168 @@ class _Runner:
             if trace is not None and (where := trace.origin()) is not None:
                 assert origin is not None
                 origin[variant.name] = where
-            categories, tied = parameter_categories(model)
-            info = RunInfo(
-                variant=variant.to_dict(),
-                parameter_dtypes=_dtype_counts(model.parameters()),
-                buffer_dtypes=_dtype_counts(b for b in model.buffers() if b.is_floating_point()),
-                input_shapes=self.inputs_described[0],
-                token_count=self.inputs_described[1],
-                backend=flags_to_dict(flags),
-                parameter_categories=categories,
-                tied_head=tied,
-                repeats=self.repeats,
-            )
+            info = self._info(model, variant, flags)
             del model, output, loss
+        return info
+
+    def _info(self, model: nn.Module, variant: Variant, flags: Any) -> RunInfo:
+        categories, tied = parameter_categories(model)
+        return RunInfo(
+            variant=variant.to_dict(),
+            parameter_dtypes=_dtype_counts(model.parameters()),
+            buffer_dtypes=_dtype_counts(b for b in model.buffers() if b.is_floating_point()),
+            input_shapes=self.inputs_described[0],
+            token_count=self.inputs_described[1],
+            backend=flags_to_dict(flags),
+            parameter_categories=categories,
+            tied_head=tied,
+            repeats=self.repeats,
+        )
+
+    def _run_arranged(
+        self,
+        model: nn.Module,
+        variant: Variant,
+        sink: Sink,
+        inputs: Any,
+        flags: Any,
+        origin: dict[str, str] | None = None,
+    ) -> RunInfo:
+        """The forward of `variant` as its arrangement computes it (see arrangements.py), each call's tensors
+        reassembled into the reference's layout and streamed to `sink`: fw rows, the logits and log-probs (with
+        `origin`, where NaN/Inf first appeared, as in run)."""
+        import inspect
+
+        import torch
+
+        arrangement = variant.arrangement
+        assert isinstance(arrangement, Arrangement) and self.module_names is not None
+        if self.distributed:
+            raise ConfigurationError(
+                f"variant {variant.name!r}: arrangements run in one process, not under torch.distributed"
+            )
+        shape = self._token_grid(variant.name, arrangement.name)
+        assembler = Assembler(arrangement.name, *shape)
+        autocast = torch.autocast(
+            device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
+        )
+        plan = arrangement.calls(inputs)
+        if not inspect.isgenerator(plan):
+            raise ConfigurationError(
+                f"arrangement {arrangement.name!r}: calls(inputs) returned {type(plan).__name__}, not a generator; "
+                "write it with `yield Call(...)`"
+            )
+        watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
+        if origin is not None:
+            watch = trace_nonfinite(model, backward=False)
+        with (
+            watch as trace,
+            capture(model, self.module_names, assembler, backward=False) as counts,
+            torch.no_grad(),
+            autocast,
+        ):
+            output: Any = None
+            while True:
+                try:
+                    call = plan.send(output)
+                except StopIteration:
+                    break
+                if not isinstance(call, Call):
+                    raise ConfigurationError(
+                        f"arrangement {arrangement.name!r} yielded {type(call).__name__}, not a "
+                        "pytest_precision.arrangements.Call"
+                    )
+                counts.restart()
+                call_rows, call_positions = call_length(call)
+                try:
+                    if isinstance(call.inputs, Mapping):
+                        output = model(**call.inputs)
+                    elif isinstance(call.inputs, tuple):
+                        output = model(*call.inputs)
+                    else:
+                        output = model(call.inputs)
+                except PrecisionError:
+                    raise
+                except Exception as error:
+                    raise ModelRunError(
+                        f"{type(model).__name__} raised {type(error).__name__}: {error} in a call of arrangement "
+                        f"{arrangement.name!r} (variant {variant.name!r})"
+                    ) from error
+                logits = _logits_of(output)
+                if logits is not None:
+                    assembler("logits", LOGITS_KIND, logits)
+                assembler.place(call, call_rows, call_positions)
+        if trace is not None and (where := trace.origin()) is not None:
+            assert origin is not None
+            origin[variant.name] = where
+        positions = self.positions
+        counted = positions.index
+        tensors = assembler.tensors(counted, positions.logits_index)
+        logits = tensors.pop(("logits", LOGITS_KIND), None)
+        for (name, kind), tensor in tensors.items():
+            sink(name, kind, tensor)
+        if logits is not None:
+            self._log_probabilities(model, {"logits": logits}, sink)
+        return self._info(model, variant, flags)
+
+    def _token_grid(self, variant: str, arrangement: str) -> tuple[int, int]:
+        """(rows, positions) of the reference's batch, where an arrangement's outputs are reassembled."""
+        import torch
+
+        ids = self.batch.kwargs.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            return int(ids.shape[0]), int(ids.shape[1])
+        for value in (*self.batch.args, *self.batch.kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                return int(value.shape[0]), int(value.shape[1])
+        raise ConfigurationError(
+            f"variant {variant!r}: arrangement {arrangement!r} needs inputs laid out as (rows, positions, ...) "
+            "(input_ids, or a tensor of two or more dimensions)"
+        )
+
+    def _run_isolated(
+        self,
+        model: nn.Module,
+        variant: Variant,
+        sink: Sink,
+        loss_scale: float,
+        recorded: isolated.Recorded,
+        call: tuple[tuple[Any, ...], dict[str, Any]],
+        flags: Any,
+    ) -> RunInfo:
+        """The isolated run of `variant` (see isolated.py), its rows streamed to `sink` as isolated kinds."""
+        import torch
+
+        assert self.module_names is not None
+        boundary_names = isolated.boundaries(self.module_names)
+        owned = isolated.owned_parameters(model, boundary_names)
+
+        def isolated_sink(name: str, kind: str, tensor: torch.Tensor) -> None:
+            if kind in ("fw", "bw") or (kind == "grad" and name in owned):
+                sink(name, isolated.isolated_kind(kind), tensor)
+
+        args, kwargs = call
+        autocast = torch.autocast(
+            device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
+        )
+        with (
+            isolated.isolate(model, boundary_names, recorded, scale=loss_scale, variant=variant.name) as run,
+            capture(model, self.module_names, isolated_sink, backward=self.backward),
+        ):
+            with torch.set_grad_enabled(self.backward), autocast:
+                try:
+                    model(*args, **kwargs)
+                except PrecisionError:
+                    raise
+                except Exception as error:
+                    raise ModelRunError(self._failure(model, variant, error, "isolated forward")) from error
+            if self.backward:
+                try:
+                    run.backward()
+                except Exception as error:
+                    raise ModelRunError(self._failure(model, variant, error, "isolated backward")) from error
+        info = self._info(model, variant, flags)
+        del model
         return info
 
     def _localized(self, sink: Sink) -> Sink:
@@ -495,11 +666,14 @@ class _VariantPass:
         self.records: list[Record] = []
         self.overflowed = False
         self.needs_exact = False
+        #: The variant's chosen-token log-probabilities (batch, seq - 1), float64, when the model has them.
+        self.logprobs: torch.Tensor | None = None
 
     def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         import torch
 
         runner, variant = self.runner, self.variant
+        record_kind, kind = kind, isolated.base_kind(kind)  # an isolated row is measured against its propagated one
         expected = self.stored.get((name, kind))
         if expected is None:
             raise ModelRunError(
@@ -533,10 +707,11 @@ class _VariantPass:
         log_ratio = None
         if kind == "logprob":
             assert positions.valid is not None
-            delta = obtained.to(torch.float64) - expected.to(torch.float64)
+            self.logprobs = obtained.to(torch.float64)
+            delta = self.logprobs - expected.to(torch.float64)
             log_ratio = log_ratio_sums(delta, positions.valid, clip_eps=runner.clip_eps)
         self.pending.append(
-            _Pending(name, kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)
+            _Pending(name, record_kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)
         )
 
     def resolve(self) -> None:
@@ -622,6 +797,8 @@ def _measure_variant(
     repeats: int = 1,
     noise: Mapping[TensorKey, float] | None = None,
     origin: dict[str, str] | None = None,
+    isolation: isolated.Recorded | None = None,
+    logprobs: dict[str, torch.Tensor] | None = None,
 ) -> tuple[RunInfo, list[Record]]:
     """Run `variant` against the stored reference tensors.
 
@@ -632,9 +809,11 @@ def _measure_variant(
 
     With `repeats` > 1 the variant runs that many times at the first pass's loss scale; each record (the
     first pass's) gets its `spread` (see compare). With `origin`, a pass producing NaN/Inf is followed by a
-    diagnostic run locating where they started, stored in `origin[variant.name]`.
+    diagnostic run locating where they started, stored in `origin[variant.name]`. With `isolation` (what the
+    reference recorded), an isolated pass at the same loss scale adds the "*_isolated" rows. With `logprobs`,
+    the variant's chosen-token log-probabilities are kept in `logprobs[variant.name]`.
     """
-    scaled = runner.backward and variant.dtype == "float16"
+    scaled = runner.backward and variant.dtype == "float16" and variant.arrangement is None
     scale = 1.0
     if scaled:
         if loss_scale == CALIBRATE:
@@ -653,6 +832,8 @@ def _measure_variant(
     exact_info, measured = _exact_if_needed(runner, measured)
     info = exact_info or info
     records = measured.records
+    if logprobs is not None and measured.logprobs is not None and not runner.distributed:
+        logprobs[variant.name] = measured.logprobs
     if origin is not None and any(r.nonfinite for r in records if r.kind in NONFINITE_KINDS):
         # A repeat of a run that succeeded: a failure here comes from the watching hooks (full backward
         # hooks refuse some in-place ops), and only costs the diagnosis, not the comparison.
@@ -667,7 +848,46 @@ def _measure_variant(
             _, again = _exact_if_needed(runner, again)
             passes.append(_rms_rels(again.records))
         records = _with_spread(records, passes, noise or {})
+    if isolation is not None:  # once, after the repeats: isolated rows have no spread
+        records = records + _isolated_records(runner, variant, stored, sums, scale, isolation)
     return (dataclasses.replace(info, loss_scale=scale) if scaled else info), records
+
+
+def _isolated_records(
+    runner: _Runner,
+    variant: Variant,
+    stored: Mapping[TensorKey, torch.Tensor],
+    sums: dict[TensorKey, torch.Tensor],
+    scale: float,
+    recorded: isolated.Recorded,
+) -> list[Record]:
+    """The isolated pass of `variant` (see isolated.py): its fw/bw/grad rows as "*_isolated" kinds. A
+    boundary's bw row is measured against the reference's gradient through that module alone (its input may
+    have other uses, a residual around it, whose gradient the propagated bw row includes)."""
+    own = {(label, "bw"): gradient for label, gradient in recorded.input_grads.items()}
+    stored = {**stored, **own}
+    sums = {key: value for key, value in sums.items() if key not in own}  # the others' are shared, unchanged
+    measured = _VariantPass(runner, variant, stored, sums, scale)
+    runner.run(variant, measured.measure, scale, isolation=recorded)
+    measured.resolve()
+    if measured.needs_exact:
+        measured = _VariantPass(runner, variant, stored, sums, scale, exact=True)
+        runner.run(variant, measured.measure, scale, isolation=recorded)
+        measured.resolve()
+    return measured.records
+
+
+def isolation_inputs(runner: _Runner, ref: Reference) -> isolated.Recorded:
+    """What isolated runs feed each boundary module: recorded by one more run of the reference, kept on `ref`."""
+    if ref.isolation is None:
+        assert runner.module_names is not None
+        isolated.check_isolatable(
+            runner.module_names, distributed=runner.distributed, sharded=isinstance(ref.source, ShardedModel)
+        )
+        recorded = isolated.Recorded()
+        runner.run(ref.variant, lambda name, kind, tensor: None, recording=recorded)
+        ref.isolation = recorded
+    return ref.isolation
 
 
 #: loss_scale="calibrate": size each fp16 variant's scale by an unscaled pass of the variant itself.
@@ -1107,6 +1327,7 @@ def measure(
         runner = _runner(ref, repeats)
         noise = _reference_noise(runner, ref, repeats)
         report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
+        isolation = isolation_inputs(runner, ref) if any(v.isolate for v in variants) else None
         for variant in variants:
             info, records = _measure_variant(
                 runner,
@@ -1118,10 +1339,17 @@ def measure(
                 repeats=repeats,
                 noise=noise,
                 origin=report.nonfinite_origin,
+                isolation=isolation if variant.isolate else None,
+                logprobs=report.token_logprobs,
             )
             seen = {(r.name, r.kind) for r in records}
-            missing = [key for key in stored if key not in seen and key[1] != LOGITS_KIND]
+            absent = (LOGITS_KIND,) if variant.arrangement is None else (LOGITS_KIND, "loss", *GRADIENT_KINDS)
+            missing = [key for key in stored if key not in seen and key[1] not in absent]
             report.add(variant.name, info, records, missing)
+        kept_reference = stored.get(("logprob", "logprob"))
+        if report.token_logprobs and kept_reference is not None and runner.valid is not None:
+            report.reference_logprobs = kept_reference
+            report.logprob_mask = runner.valid
         if runner.distributed:
             report.distributed = dict(runner.mesh)
             # Where NaN/Inf started may differ per rank: every rank reports the lowest rank's finding.
@@ -1146,6 +1374,7 @@ def compare(
     repeats: int = 1,
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
+    isolate: bool | None = None,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -1173,6 +1402,11 @@ def compare(
         variant's runs (each against the reference's first run) plus the largest rms_rel of a reference
         repeat against the reference's first run. The records are the first run's.
     offload: keep the reference's tensors on the host (see pytest_precision.reference).
+    isolate: True measures every variant's isolated error too (as Variant(isolate=True) does for one):
+        each selected module runs on the reference's input for that module and its backward on the
+        reference's gradient at its output (arrangement variants excepted); the rows fw_isolated,
+        bw_isolated and grad_isolated then hold the error each module adds itself (see
+        pytest_precision.isolated for the rules).
     cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
         parameter values, hooks, attributes, inputs and options (see pytest_precision.references for what
         the key covers; a model it cannot fingerprint runs its reference again).
@@ -1211,6 +1445,12 @@ def compare(
     if variants is None:
         raise ConfigurationError("variants: give a non-empty list, e.g. variants=['bf16', 'fp16']")
     variant_list = resolve_variants(variants)
+    if isolate is not None:
+        if not isinstance(isolate, bool):
+            raise ConfigurationError(f"isolate must be True or False, got {isolate!r}")
+        if isolate:
+            # Arrangements compare another way of running the same tokens, forward only: not isolated.
+            variant_list = [v if v.arrangement else dataclasses.replace(v, isolate=True) for v in variant_list]
     if isinstance(model, Reference):
         return measure(model, variant_list, loss_scale=loss_scale, repeats=repeats)
     ref = build_reference(

@@ -16,7 +16,17 @@ MAX_ROWS = 20
 
 # Execution order: forward rows in forward order, then backward rows in backward order, then gradients,
 # so that the first row is where precision was first lost.
-_KIND_ORDER = {"fw": 0, "logprob": 1, "loss": 2, "bw": 3, "grad": 4, "*": 5}
+_KIND_ORDER = {
+    "fw": 0,
+    "logprob": 1,
+    "loss": 2,
+    "bw": 3,
+    "grad": 4,
+    "fw_isolated": 5,
+    "bw_isolated": 6,
+    "grad_isolated": 7,
+    "*": 8,
+}
 
 REFRESH_TEMPLATE = "pytest {nodeid} {flag}"
 #: A metric without a value, in tables.

@@ -52,7 +52,8 @@ def plot_error_vs_depth(
     metric: str = "rms_rel",
 ) -> Path | None:
     """One PNG of `metric` against depth (row index in execution order within each kind), panels fw, bw
-    and grad, one line per variant; the baseline's records, when given, dashed in the same colour.
+    and grad, one line per variant (and a dotted one for its isolated error, when measured); the baseline's
+    records, when given, dashed in the same colour.
 
     Returns the path written, or None (writing nothing) when matplotlib is not installed.
     """
@@ -75,6 +76,27 @@ def plot_error_vs_depth(
             depth, values = _series(records, metric)
             if any(not math.isnan(v) for v in values):
                 ax.plot(depth, values, color=colour, marker="o", markersize=3, linewidth=1.5, label=variant)
+                drawn = True
+            isolated = report.records(variant, f"{kind}_isolated")
+            depth_of = {record.name: index for index, record in enumerate(records)}
+            _, values = _series(isolated, metric)
+            # At the depth of the same tensor's propagated row (an isolated bw row has no logits row before it).
+            placed = sorted(
+                (depth_of.get(record.name, index), value)
+                for index, (record, value) in enumerate(zip(isolated, values, strict=True))
+            )
+            depth, values = [d for d, _ in placed], [v for _, v in placed]
+            if any(not math.isnan(v) for v in values):
+                ax.plot(
+                    depth,
+                    values,
+                    color=colour,
+                    marker="s",
+                    markersize=3,
+                    linestyle=":",
+                    linewidth=1.5,
+                    label=f"{variant} isolated",
+                )
                 drawn = True
             if baseline is not None and variant in baseline:
                 old = [r for r in baseline[variant] if r.kind == kind]

@@ -154,7 +154,11 @@ def _add_update_alias(parser: pytest.Parser) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "precision(rtol=None, atol=None): tolerances of this test's precision gate")
+    config.addinivalue_line(
+        "markers",
+        "precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate; "
+        "isolate=True also measures each module's isolated error in precision.run",
+    )
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
     config.addinivalue_line(
         "markers",

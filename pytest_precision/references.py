@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .comparison import LossFn
+    from .isolated import Recorded
     from .model_build import ModelFactory
     from .sharding import ShardedModel
 
@@ -101,6 +102,8 @@ class Reference:
     sums: dict[TensorKey, torch.Tensor] = field(default_factory=dict, repr=False)
     #: The batch's counted positions on the run's device (see positions.py), worked out on first need.
     positions: Positions | None = field(default=None, repr=False)
+    #: What isolated runs feed each selected module (isolated.Recorded), recorded on first need.
+    isolation: Recorded | None = field(default=None, repr=False)
 
     @property
     def model(self) -> nn.Module | ModelFactory | ShardedModel | None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .metrics import METRIC_NAMES, OPTIONAL_METRICS, TensorError
 
-KINDS = ("fw", "logprob", "loss", "bw", "grad")
+#: Propagated kinds, then the isolated ones (see pytest_precision.isolated).
+KINDS = ("fw", "logprob", "loss", "bw", "grad", "fw_isolated", "bw_isolated", "grad_isolated")
 
 
 def kind_rank(kind: str) -> int:
@@ -120,6 +122,11 @@ class PrecisionReport:
     nonfinite_origin: dict[str, str] = field(default_factory=dict)
     #: Under torch.distributed: {"world_size": N, "mesh": [..] or None, "mesh_dims": [..] or None}; else empty.
     distributed: dict[str, Any] = field(default_factory=dict)
+    #: For a causal LM, in memory only (not in the report's files): each variant's chosen-token log-probs
+    #: (batch, seq - 1), the reference's, and which positions count; see logprob_mismatch.
+    token_logprobs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    reference_logprobs: Any = field(default=None, repr=False, compare=False)
+    logprob_mask: Any = field(default=None, repr=False, compare=False)
 
     @property
     def variants(self) -> list[str]:
@@ -146,6 +153,47 @@ class PrecisionReport:
         # Grouped by kind, each kind in capture order: forward order, backward order, gradient order.
         self._records[variant] = sorted(records, key=lambda r: kind_rank(r.kind))
         self.missing[variant] = missing
+
+    def logprob_mismatch(self, pairs: Sequence[tuple[str, str]], *, clip_eps: float | None = None) -> PrecisionReport:
+        """Trainer-vs-sampler mismatch of pairs of this report's variants, in one report: per pair (trainer,
+        sampler) a variant "<trainer> vs <sampler>" with one "logprob" row as compare_logprobs(trainer, sampler)
+        gives it: delta = logpi_trainer - logpi_sampler (the log of RL's importance ratio) and its statistics,
+        and the decomposition against this report's reference, the same for both sides (rms_floor 0): rho is
+        the correlation of the two variants' own errors, rms_e_diff the size of the mismatch. Gate it with
+        assert_precision_within like any report. The log-probs are kept in memory by compare() for causal LMs
+        (not in report files)."""
+        from .cross_engine import compare_logprobs
+        from .errors import ConfigurationError
+        from .logprobs import DEFAULT_CLIP_EPS
+
+        if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+            raise ConfigurationError(
+                f"logprob_mismatch: pass a list of (trainer, sampler) variant pairs, got {pairs!r}"
+            )
+        merged: PrecisionReport | None = None
+        for trainer, sampler in pairs:
+            for variant in (trainer, sampler):
+                if variant not in self.token_logprobs:
+                    known = ", ".join(self.token_logprobs) or "none"
+                    raise ConfigurationError(
+                        f"logprob_mismatch: no log-probabilities of variant {variant!r} in this report; variants "
+                        f"with them: {known} (compare() keeps them in memory for causal LMs, not in files)"
+                    )
+            name = f"{trainer} vs {sampler}"
+            pair = compare_logprobs(
+                self.token_logprobs[trainer].cpu(),
+                self.token_logprobs[sampler].cpu(),
+                ref_a=self.reference_logprobs.cpu(),
+                ref_b=self.reference_logprobs.cpu(),
+                mask=self.logprob_mask.cpu(),
+                clip_eps=DEFAULT_CLIP_EPS if clip_eps is None else clip_eps,
+                names=(name, "sampler"),
+            )
+            if merged is None:
+                merged = PrecisionReport(reference=pair.reference, device=self.device)
+            merged.add(name, pair.runs[name], pair.records(name), [])
+        assert merged is not None
+        return merged
 
     def format(self, *, full: bool = True) -> str:
         """The error-propagation summary per variant and, with `full`, every tensor's row."""

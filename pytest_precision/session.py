@@ -49,6 +49,21 @@ class PrecisionUnassertedWarning(pytest.PytestWarning):
     """A test ran `precision.run` but never called `assert_precision_within`: its numbers gate nothing."""
 
 
+#: The keywords of @pytest.mark.precision.
+MARKER_KEYWORDS = ("rtol", "atol", "isolate")
+
+
+def marker_isolate(item: pytest.Item) -> bool | None:
+    """@pytest.mark.precision(isolate=...): the default `isolate` of the test's precision.run calls."""
+    marker = item.get_closest_marker("precision")
+    if marker is None or "isolate" not in marker.kwargs:
+        return None
+    value = marker.kwargs["isolate"]
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"@pytest.mark.precision(isolate=...) must be True or False, got {value!r}")
+    return value
+
+
 def unasserted_run(item: pytest.Item) -> str | None:
     """The message for a test whose precision.run result nothing gated, else None."""
     if item.stash.get(ASSERTED_KEY, True):
@@ -450,10 +465,11 @@ class PrecisionSession:
         atol = self.atol if self.atol is not None else base.atol
         marker = item.get_closest_marker("precision")
         if marker is not None:
-            unknown = sorted(set(marker.kwargs) - {"rtol", "atol"})
+            unknown = sorted(set(marker.kwargs) - set(MARKER_KEYWORDS))
             if unknown or marker.args:
                 raise ConfigurationError(
-                    f"@pytest.mark.precision takes rtol= and atol= keywords only, got {marker.args or unknown}"
+                    f"@pytest.mark.precision takes the keywords {', '.join(MARKER_KEYWORDS)} only, got "
+                    f"{marker.args or unknown}"
                 )
             from .tolerance import checked_number
 
@@ -660,6 +676,12 @@ class PrecisionRunner:
 
         if baseline is not None and (not isinstance(baseline, str) or stem_problem(baseline) is not None):
             self._fail_on_bad_stem(baseline)
+        try:
+            isolate = marker_isolate(self._item)
+        except ConfigurationError as error:
+            pytest.fail(f"{type(error).__name__}: {error}", pytrace=False)
+        if isolate is not None:
+            compare_kwargs.setdefault("isolate", isolate)
         if isinstance(model, Reference):
             device = str(compare_kwargs.get("device") or model.device)
         else:

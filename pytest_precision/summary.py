@@ -15,7 +15,7 @@ from typing import Any
 
 from .baseline import write_atomically
 from .report import PrecisionReport, Record
-from .tables import SUMMARY_KINDS, percent_column, propagation
+from .tables import SUMMARY_KINDS, percent_column, summary_rows, summary_values
 from .tolerance import DEFAULT_METRICS, ToleranceRules, Violation, check_against_baseline
 
 SUMMARY_FILE = "summary.md"
@@ -146,14 +146,13 @@ def propagation_tables(report: PrecisionReport, metric: str = "rms_rel") -> list
     the median and max in between, and the last tensor (percent as in tables.py)."""
     lines: list[str] = []
     for kind in SUMMARY_KINDS:
-        present = [v for v in report.variants if report.records(v, kind)]
+        present = [(label, records) for label, records in summary_rows(report, kind) if records]
         if not present:
             continue
-        results = [propagation(report.records(v, kind), metric) for v in present]
-        first, last = results[0][1]
-        columns = [percent_column(list(column)) for column in zip(*(values for values, _ in results), strict=True)]
+        values, (first, last) = summary_values(present, metric)
+        columns = [percent_column(list(column)) for column in zip(*values, strict=True)]
         header = [kind, f"first ({first})", "mid median", "mid max", f"last ({last})"]
-        rows = [[variant, *(column[i] for column in columns)] for i, variant in enumerate(present)]
+        rows = [[label, *(column[i] for column in columns)] for i, (label, _) in enumerate(present)]
         if lines:
             lines.append("")
         lines += markdown_table(header, rows)

@@ -70,16 +70,51 @@ def propagation(records: Sequence[Record], metric: str = "rms_rel") -> tuple[lis
     return [values[0], median, peak, values[-1]], [records[0].name, records[-1].name]
 
 
+def summary_rows(report: PrecisionReport, kind: str) -> list[tuple[str, list[Record]]]:
+    """The rows of `kind`'s summary: (label, records) per variant, each followed by its isolated records
+    (label "<variant> isolated", see pytest_precision.isolated) when it has any; variants without records of
+    `kind` keep their row when another variant has some, but for arrangements' backward (forward only)."""
+    rows: list[tuple[str, list[Record]]] = []
+    for variant in report.variants:
+        if kind in ("bw", "grad") and report.runs[variant].variant.get("arrangement"):
+            continue
+        rows.append((variant, report.records(variant, kind)))
+        isolated = report.records(variant, f"{kind}_isolated")
+        if isolated:
+            rows.append((f"{variant} isolated", isolated))
+    return rows if any(records for _, records in rows) else []
+
+
+def summary_values(
+    summary: Sequence[tuple[str, Sequence[Record]]], metric: str
+) -> tuple[list[list[float | None]], tuple[str, str]]:
+    """propagation() of each summary row, and the first and last tensor names of the first row with records; a
+    row whose first or last tensor is another one (an isolated bw row starts at the head, not the logits)
+    shows None there."""
+    results = [propagation(records, metric) for _, records in summary]
+    first, last = next(names for (_, names), (_, records) in zip(results, summary, strict=True) if records)
+    values = []
+    for row, (ends_first, ends_last) in results:
+        row = list(row)
+        if ends_first != first:
+            row[0] = None
+        if ends_last != last:
+            row[3] = None
+        values.append(row)
+    return values, (first, last)
+
+
 def summary_table(report: PrecisionReport, kind: str, metric: str = "rms_rel") -> list[str]:
-    """One row per variant: the metric at the first tensor, the median and max in between, the last."""
-    results = [propagation(report.records(v, kind), metric) for v in report.variants]
-    if not any(report.records(v, kind) for v in report.variants):
+    """One row per variant (and per isolated variant): the metric at the first tensor, the median and max in
+    between, the last."""
+    summary = summary_rows(report, kind)
+    if not summary:
         return []
-    first, last = next(names for (_, names), v in zip(results, report.variants, strict=True) if report.records(v, kind))
-    columns = list(zip(*(values for values, _ in results), strict=True))
+    values, (first, last) = summary_values(summary, metric)
+    columns = list(zip(*values, strict=True))
     formatted = [percent_column(list(column)) for column in columns]
     header = [kind, f"first ({first})", "mid median", "mid max", f"last ({last})"]
-    rows = [[variant, *(column[i] for column in formatted)] for i, variant in enumerate(report.variants)]
+    rows = [[label, *(column[i] for column in formatted)] for i, (label, _) in enumerate(summary)]
     return render(header, rows)
 
 
@@ -133,7 +168,8 @@ def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel") ->
     header += ["bias med", "bias max"] if has_bias else []
     header += ["embedding", "loss scale"]
     columns: list[list[float | None]] = [[] for _ in header[1:-1]]
-    for variant in report.variants:
+    variants = [v for v in report.variants if not report.runs[v].variant.get("arrangement")]
+    for variant in variants:
         by_category: dict[str, list[float | None]] = {}
         for record in report.records(variant, "grad"):
             by_category.setdefault(categories.get(record.name, "other"), []).append(record.metric(metric))
@@ -147,9 +183,9 @@ def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel") ->
             column.append(cell)
     formatted = [percent_column(column) for column in columns]
     if report.reference.tied_head:
-        formatted[0] = ["n/a (tied)"] * len(report.variants)
+        formatted[0] = ["n/a (tied)"] * len(variants)
     rows = []
-    for i, variant in enumerate(report.variants):
+    for i, variant in enumerate(variants):
         scale = report.runs[variant].loss_scale
         rows.append([variant, *(column[i] for column in formatted), "-" if scale is None else f"{scale:g}"])
     return render(header, rows)

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from .errors import ConfigurationError
 from .metrics import DESCRIPTIVE_METRICS, METRIC_DIRECTIONS, OPTIONAL_METRICS, SIGNED_METRICS
-from .report import Record
+from .report import KINDS, Record
 
 DEFAULT_RTOL = 0.10
 DEFAULT_ATOL = 1e-5
@@ -469,7 +469,7 @@ def check_limits(obtained: Mapping[str, Sequence[Record]], limits: object) -> li
                         )
         if not matched:
             raise ConfigurationError(
-                f"limits: {key!r} matches no tensor name or kind of this report (kinds: fw, logprob, loss, bw, grad; "
+                f"limits: {key!r} matches no tensor name or kind of this report (kinds: {', '.join(KINDS)}; "
                 "names are matched with re.search)"
             )
     return violations

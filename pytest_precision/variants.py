@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from .arrangements import Arrangement, resolve_arrangement
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -72,6 +73,10 @@ class Variant:
     param_dtype, reduce_dtype, output_dtype: FSDP2 mixed precision (`MixedPrecisionPolicy`) for a model
         given as pytest_precision.sharded(model, shard): parameters stay `dtype` (fp32 master weights) and
         the shard function passes `variant.mp_policy()` to fully_shard; None keeps FSDP2's default.
+    isolate: also measure each selected module's isolated error, on the reference's input for that module (see
+        pytest_precision.isolated): extra rows of kinds fw_isolated, bw_isolated and grad_isolated.
+    arrangement: compute the reference's tokens another way, as a sampler does (forward only; see
+        pytest_precision.arrangements): "decode", "batch_alone", "left_padded" or an Arrangement.
     """
 
     name: str
@@ -85,9 +90,19 @@ class Variant:
     param_dtype: DTypeName | None = None
     reduce_dtype: DTypeName | None = None
     output_dtype: DTypeName | None = None
+    isolate: bool = False
+    arrangement: Arrangement | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        object.__setattr__(self, "arrangement", resolve_arrangement(self.arrangement, self.name))
+        if not isinstance(self.isolate, bool):
+            raise ConfigurationError(f"variant {self.name!r}: isolate must be True or False, got {self.isolate!r}")
+        if self.arrangement is not None and (self.isolate or self.fsdp_knobs):
+            raise ConfigurationError(
+                f"variant {self.name!r}: an arrangement ({self.arrangement_name}) runs forward only, in one "
+                "process: it cannot be isolated or sharded; use separate variants"
+            )
         for knob in FSDP_KNOBS:
             value = getattr(self, knob)
             if value is not None:
@@ -102,7 +117,23 @@ class Variant:
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
 
     def __hash__(self) -> int:
-        return hash((self.name, self.dtype, self.autocast, self.fp32_modules, self.matmul_precision, *self.fsdp_dtypes))
+        return hash(
+            (
+                self.name,
+                self.dtype,
+                self.autocast,
+                self.fp32_modules,
+                self.matmul_precision,
+                *self.fsdp_dtypes,
+                self.isolate,
+                self.arrangement_name,
+            )
+        )
+
+    @property
+    def arrangement_name(self) -> str | None:
+        """The arrangement's name (None: one full forward, as the reference)."""
+        return None if self.arrangement is None else self.arrangement.name  # type: ignore[union-attr]
 
     @property
     def fsdp_dtypes(self) -> tuple[str | None, ...]:
@@ -142,6 +173,8 @@ class Variant:
             "prepare": None if self.prepare is None else _qualified_name(self.prepare),
             # Only when set: the files of unsharded runs keep their keys.
             **{knob: getattr(self, knob) for knob in FSDP_KNOBS if getattr(self, knob) is not None},
+            **({"isolate": True} if self.isolate else {}),
+            **({"arrangement": self.arrangement_name} if self.arrangement is not None else {}),
         }
 
 
@@ -175,6 +208,15 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         # compute, gradients reduce-scattered in fp32 or in bf16.
         Variant("fsdp_bf16", param_dtype="bfloat16", reduce_dtype="float32"),
         Variant("fsdp_bf16_reduce_bf16", param_dtype="bfloat16", reduce_dtype="bfloat16"),
+        # Arrangements (forward only): the tokens computed as a sampler does, against the full forward.
+        Variant("fp32_decode", dtype="float32", arrangement="decode"),
+        Variant("bf16_decode", dtype="bfloat16", arrangement="decode"),
+        Variant("fp16_decode", dtype="float16", arrangement="decode"),
+        Variant("bf16_fp32_head_decode", dtype="bfloat16", fp32_modules=(HEAD_MODULE,), arrangement="decode"),
+        Variant("fp32_batch_alone", dtype="float32", arrangement="batch_alone"),
+        Variant("bf16_batch_alone", dtype="bfloat16", arrangement="batch_alone"),
+        Variant("fp32_left_padded", dtype="float32", arrangement="left_padded"),
+        Variant("bf16_left_padded", dtype="bfloat16", arrangement="left_padded"),
     )
 }
 
@@ -228,6 +270,7 @@ def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
         or reference.autocast
         or reference.matmul_precision != "highest"
         or reference.fsdp_knobs
+        or reference.arrangement is not None
     ):
         raise ConfigurationError(
             f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "

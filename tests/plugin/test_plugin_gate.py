@@ -212,7 +212,7 @@ def test_bad_marker_and_tolerance_arguments(pytester, monkeypatch):
     result = run(pytester)
     result.assert_outcomes(failed=3)
     text = output(result)
-    assert "ConfigurationError: @pytest.mark.precision takes rtol= and atol= keywords only, got ['rtl']" in text
+    assert "ConfigurationError: @pytest.mark.precision takes the keywords rtol, atol, isolate only, got ['rtl']" in text
     assert "ConfigurationError: tolerances['fw']: unknown key(s) rtl; use 'rtol' and/or 'atol'" in text
     assert "ConfigurationError: metrics: unknown metric 'rms_rell'; gateable metrics: " in text
     assert_no_traceback(result)
@@ -252,7 +252,8 @@ def test_limits_hold_without_a_baseline(pytester, monkeypatch):
     no_match = [line for line in failure(result, "test_no_such_tensor") if line.startswith("ConfigurationError")]
     assert no_match == [
         "ConfigurationError: limits: 'decoder_layers' matches no tensor name or kind of this report "
-        "(kinds: fw, logprob, loss, bw, grad; names are matched with re.search)"
+        "(kinds: fw, logprob, loss, bw, grad, fw_isolated, bw_isolated, grad_isolated; names are matched with "
+        "re.search)"
     ]
     assert_no_traceback(result)
     # A limit key that matches nothing is an error before anything is written, and a run breaking its limits
@@ -290,7 +291,8 @@ def test_unknown_variant_lists_the_builtins(pytester, monkeypatch):
     message = (
         "ConfigurationError: variants: unknown variant 'bf17'. Built-in variants: fp64, fp32, tf32, bf16, fp16, "
         "bf16_autocast, fp16_autocast, bf16_fp32_head, fp16_fp32_head, bf16_reduced_reduction, fp32_eager, "
-        "fp32_sdpa, bf16_eager, bf16_sdpa, fsdp_bf16, fsdp_bf16_reduce_bf16; or pass "
+        "fp32_sdpa, bf16_eager, bf16_sdpa, fsdp_bf16, fsdp_bf16_reduce_bf16, fp32_decode, bf16_decode, fp16_decode, "
+        "bf16_fp32_head_decode, fp32_batch_alone, bf16_batch_alone, fp32_left_padded, bf16_left_padded; or pass "
         "pytest_precision.Variant(name=..., dtype=..., ...)"
     )
     assert message in section

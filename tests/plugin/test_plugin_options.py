@@ -36,7 +36,8 @@ def test_precision_gpu_marker_is_skipped_without_the_option(pytester, monkeypatc
     markers = run(pytester, "--markers")
     markers.stdout.fnmatch_lines(
         [
-            "@pytest.mark.precision(rtol=None, atol=None): tolerances of this test's precision gate",
+            "@pytest.mark.precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate; "
+            "isolate=True also measures each module's isolated error in precision.run",
             "@pytest.mark.precision_gpu: needs a CUDA device; runs only with --precision-gpu",
         ]
     )

@@ -126,9 +126,10 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
     assert names(report.records(name, "fw")) == LLAMA_FW
     assert names(report.records(name, "logprob")) == ["logprob"]
     assert report.get(name, "logprob", "logprob").shape == (2, 31)
-    assert names(report.records(name, "bw")) == LLAMA_BW
-    assert len(report.records(name, "grad")) == len(list(llama.parameters()))
-    assert len(report.records(name, "loss")) == 1
+    forward_only = variant.arrangement is not None  # an arrangement: the tokens as a sampler computes them
+    assert names(report.records(name, "bw")) == ([] if forward_only else LLAMA_BW)
+    assert len(report.records(name, "grad")) == (0 if forward_only else len(list(llama.parameters())))
+    assert len(report.records(name, "loss")) == (0 if forward_only else 1)
     assert report.missing[name] == []
     for record in report.records(name):
         assert record.count > 0 and record.nonfinite == 0, record.name
@@ -137,7 +138,7 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
     assert run.variant["name"] == name and run.variant["dtype"] == variant.dtype
     assert run.parameter_dtypes == {variant.weight_dtype: len(list(llama.parameters()))}
     # Only fp16 runs scale the loss, by a power of two.
-    if variant.dtype == "float16":
+    if variant.dtype == "float16" and not forward_only:
         assert run.loss_scale is not None and run.loss_scale >= 1 and math.log2(run.loss_scale).is_integer()
     else:
         assert run.loss_scale is None
@@ -152,6 +153,8 @@ def test_every_builtin_variant_runs_on_cpu(llama: nn.Module, name: str) -> None:
         assert lm_head < 0.01  # no effect on most CPUs; at most TF32-sized error where mkldnn has TF32
     elif variant.dtype == "float64":
         assert 0 < lm_head < 1e-5
+    elif forward_only and variant.dtype == "float32":  # fp32 in another arrangement: rounding-level at most
+        assert lm_head < 1e-5
     else:
         assert 1e-5 < lm_head < 0.05
 

@@ -35,6 +35,14 @@ EXPECTED_BUILTINS = {
     "bf16_sdpa": ("bfloat16", False),
     "fsdp_bf16": ("float32", False),
     "fsdp_bf16_reduce_bf16": ("float32", False),
+    "fp32_decode": ("float32", False),
+    "bf16_decode": ("bfloat16", False),
+    "fp16_decode": ("float16", False),
+    "bf16_fp32_head_decode": ("bfloat16", False),
+    "fp32_batch_alone": ("float32", False),
+    "bf16_batch_alone": ("bfloat16", False),
+    "fp32_left_padded": ("float32", False),
+    "bf16_left_padded": ("bfloat16", False),
 }
 
 
