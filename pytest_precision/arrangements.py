@@ -16,10 +16,13 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigurationError, ModelRunError
+from .errors import ConfigurationError, ModelRunError, PrecisionError
 
 if TYPE_CHECKING:
     import torch
+
+    from .batch import Batch
+    from .capture import CallCounts
 
 #: What a call's inputs may be: keyword arguments, positional arguments, or one tensor.
 CallInputs = Mapping[str, Any] | tuple[Any, ...] | Any
@@ -309,6 +312,78 @@ class Assembler:
         return {key: t.reshape(self.rows, self.length, *t.shape[1:]) for key, t in self.full.items()}
 
 
+def run_calls(
+    model: Any,
+    arrangement: Arrangement,
+    inputs: Any,
+    assembler: Assembler,
+    counts: CallCounts,
+    *,
+    variant: str,
+    logits_of: Callable[[Any], torch.Tensor | None],
+) -> None:
+    """Run `model` on each call of `arrangement` (forward only), sending each output back to it; every call's
+    captured tensors (collected by `assembler`, the capture's sink) and logits are placed as the call says."""
+    import inspect
+
+    import torch
+
+    plan = arrangement.calls(inputs)
+    if not inspect.isgenerator(plan):
+        raise ConfigurationError(
+            f"arrangement {arrangement.name!r}: calls(inputs) returned {type(plan).__name__}, not a generator; "
+            "write it with `yield Call(...)`"
+        )
+    output: Any = None
+    with torch.no_grad():
+        while True:
+            try:
+                call = plan.send(output)
+            except StopIteration:
+                break
+            if not isinstance(call, Call):
+                raise ConfigurationError(
+                    f"arrangement {arrangement.name!r} yielded {type(call).__name__}, not a "
+                    "pytest_precision.arrangements.Call"
+                )
+            counts.restart()  # each call is a new forward: labels start again at `name`
+            call_rows, call_positions = call_length(call)
+            try:
+                if isinstance(call.inputs, Mapping):
+                    output = model(**call.inputs)
+                elif isinstance(call.inputs, tuple):
+                    output = model(*call.inputs)
+                else:
+                    output = model(call.inputs)
+            except PrecisionError:
+                raise
+            except Exception as error:
+                raise ModelRunError(
+                    f"{type(model).__name__} raised {type(error).__name__}: {error} in a call of arrangement "
+                    f"{arrangement.name!r} (variant {variant!r})"
+                ) from error
+            logits = logits_of(output)
+            if logits is not None:
+                assembler("logits", "logits", logits)
+            assembler.place(call, call_rows, call_positions)
+
+
+def token_grid(batch: Batch, variant: str, arrangement: str) -> tuple[int, int]:
+    """(rows, positions) of the reference's batch, where an arrangement's outputs are reassembled."""
+    import torch
+
+    ids = batch.kwargs.get("input_ids")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        return int(ids.shape[0]), int(ids.shape[1])
+    for value in (*batch.args, *batch.kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    raise ConfigurationError(
+        f"variant {variant!r}: arrangement {arrangement!r} needs inputs laid out as (rows, positions, ...) "
+        "(input_ids, or a tensor of two or more dimensions)"
+    )
+
+
 def call_length(call: Call) -> tuple[int, int]:
     """(rows, positions) of a call: from its input_ids, else its first tensor argument of two or more dims."""
     import torch
@@ -330,4 +405,14 @@ def call_length(call: Call) -> tuple[int, int]:
     )
 
 
-__all__ = ["BUILTIN_ARRANGEMENTS", "Arrangement", "Assembler", "Call", "decode", "left_padded", "resolve_arrangement"]
+__all__ = [
+    "BUILTIN_ARRANGEMENTS",
+    "Arrangement",
+    "Assembler",
+    "Call",
+    "decode",
+    "left_padded",
+    "resolve_arrangement",
+    "run_calls",
+    "token_grid",
+]

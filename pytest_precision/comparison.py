@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import distributed, isolated
-from .arrangements import Arrangement, Assembler, Call, call_length
+from .arrangements import Arrangement, Assembler, run_calls, token_grid
 from .backend_flags import flags_to_dict, pinned_backend
 from .batch import Batch, to_batch
 from .capture import NonfiniteTrace, capture, floating_tensors, select_modules, trace_nonfinite
@@ -339,8 +339,6 @@ class _Runner:
         """The forward of `variant` as its arrangement computes it (see arrangements.py), each call's tensors
         reassembled into the reference's layout and streamed to `sink`: fw rows, the logits and log-probs (with
         `origin`, where NaN/Inf first appeared, as in run)."""
-        import inspect
-
         import torch
 
         arrangement = variant.arrangement
@@ -349,57 +347,15 @@ class _Runner:
             raise ConfigurationError(
                 f"variant {variant.name!r}: arrangements run in one process, not under torch.distributed"
             )
-        shape = self._token_grid(variant.name, arrangement.name)
-        assembler = Assembler(arrangement.name, *shape)
+        assembler = Assembler(arrangement.name, *token_grid(self.batch, variant.name, arrangement.name))
         autocast = torch.autocast(
             device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
         )
-        plan = arrangement.calls(inputs)
-        if not inspect.isgenerator(plan):
-            raise ConfigurationError(
-                f"arrangement {arrangement.name!r}: calls(inputs) returned {type(plan).__name__}, not a generator; "
-                "write it with `yield Call(...)`"
-            )
         watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
         if origin is not None:
             watch = trace_nonfinite(model, backward=False)
-        with (
-            watch as trace,
-            capture(model, self.module_names, assembler, backward=False) as counts,
-            torch.no_grad(),
-            autocast,
-        ):
-            output: Any = None
-            while True:
-                try:
-                    call = plan.send(output)
-                except StopIteration:
-                    break
-                if not isinstance(call, Call):
-                    raise ConfigurationError(
-                        f"arrangement {arrangement.name!r} yielded {type(call).__name__}, not a "
-                        "pytest_precision.arrangements.Call"
-                    )
-                counts.restart()
-                call_rows, call_positions = call_length(call)
-                try:
-                    if isinstance(call.inputs, Mapping):
-                        output = model(**call.inputs)
-                    elif isinstance(call.inputs, tuple):
-                        output = model(*call.inputs)
-                    else:
-                        output = model(call.inputs)
-                except PrecisionError:
-                    raise
-                except Exception as error:
-                    raise ModelRunError(
-                        f"{type(model).__name__} raised {type(error).__name__}: {error} in a call of arrangement "
-                        f"{arrangement.name!r} (variant {variant.name!r})"
-                    ) from error
-                logits = _logits_of(output)
-                if logits is not None:
-                    assembler("logits", LOGITS_KIND, logits)
-                assembler.place(call, call_rows, call_positions)
+        with watch as trace, capture(model, self.module_names, assembler, backward=False) as counts, autocast:
+            run_calls(model, arrangement, inputs, assembler, counts, variant=variant.name, logits_of=_logits_of)
         if trace is not None and (where := trace.origin()) is not None:
             assert origin is not None
             origin[variant.name] = where
@@ -412,21 +368,6 @@ class _Runner:
         if logits is not None:
             self._log_probabilities(model, {"logits": logits}, sink)
         return self._info(model, variant, flags)
-
-    def _token_grid(self, variant: str, arrangement: str) -> tuple[int, int]:
-        """(rows, positions) of the reference's batch, where an arrangement's outputs are reassembled."""
-        import torch
-
-        ids = self.batch.kwargs.get("input_ids")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-            return int(ids.shape[0]), int(ids.shape[1])
-        for value in (*self.batch.args, *self.batch.kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                return int(value.shape[0]), int(value.shape[1])
-        raise ConfigurationError(
-            f"variant {variant!r}: arrangement {arrangement!r} needs inputs laid out as (rows, positions, ...) "
-            "(input_ids, or a tensor of two or more dimensions)"
-        )
 
     def _run_isolated(
         self,
@@ -753,12 +694,15 @@ class _VariantPass:
             self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
 
 
-def _exact_if_needed(runner: _Runner, measured: _VariantPass) -> tuple[RunInfo | None, _VariantPass]:
-    """`measured` when its fast pass could be trusted, else the exact pass of the same run (the run again)."""
+def _exact_if_needed(
+    runner: _Runner, measured: _VariantPass, isolation: isolated.Recorded | None = None
+) -> tuple[RunInfo | None, _VariantPass]:
+    """`measured` when its fast pass could be trusted, else the exact pass of the same run (the run again,
+    isolated with `isolation`)."""
     if not measured.needs_exact:
         return None, measured
     exact = _VariantPass(runner, measured.variant, measured.stored, measured.sums, measured.scale, exact=True)
-    info = runner.run(measured.variant, exact.measure, measured.scale)
+    info = runner.run(measured.variant, exact.measure, measured.scale, isolation=isolation)
     exact.resolve()
     return info, exact
 
@@ -870,10 +814,7 @@ def _isolated_records(
     measured = _VariantPass(runner, variant, stored, sums, scale)
     runner.run(variant, measured.measure, scale, isolation=recorded)
     measured.resolve()
-    if measured.needs_exact:
-        measured = _VariantPass(runner, variant, stored, sums, scale, exact=True)
-        runner.run(variant, measured.measure, scale, isolation=recorded)
-        measured.resolve()
+    _, measured = _exact_if_needed(runner, measured, recorded)
     return measured.records
 
 

@@ -5,10 +5,7 @@ the module adds itself, against a planted fault, an fp32 variant, a by-hand orac
 from __future__ import annotations
 
 import copy
-import importlib
-import json
 import math
-import pkgutil
 import statistics
 import types
 from typing import Any
@@ -18,7 +15,6 @@ import pytest
 import torch
 from torch import nn
 
-import pytest_precision
 import pytest_precision.comparison as comparison_module
 from conftest import random_tokens, tiny_gpt2, tiny_llama
 from pytest_precision.comparison import compare
@@ -507,146 +503,3 @@ def test_fp32_isolated_input_gradient_of_a_block_whose_input_has_other_uses_is_e
         assert all(r.rms_abs == 0.0 for r in report.records("fp32", kind)), kind
     inexact = {r.name: r.rms_rel for r in report.records("fp32", "bw_isolated") if r.rms_abs != 0.0}
     assert not inexact
-
-
-# --- 9. the gate: @pytest.mark.precision(isolate=True), baselines with isolated rows ----------------------------------
-
-TINY_MODEL = '''
-"""A tiny seeded language model: embedding -> 3 residual blocks -> norm -> head."""
-
-import torch
-from torch import nn
-
-VOCAB, HIDDEN = 64, 32
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(HIDDEN, HIDDEN)
-
-    def forward(self, x):
-        return x + torch.tanh(self.lin(x))
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
-
-    def forward(self, input_ids, labels):
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))
-        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-        return {"loss": loss, "logits": logits}
-
-
-def tiny_model(seed=0):
-    torch.manual_seed(seed)
-    return TinyLM().eval()
-
-
-def tiny_batch(seed=0):
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": ids, "labels": ids}
-'''
-
-GATE_TESTS = """
-import pytest
-from tinymodel import tiny_batch, tiny_model
-
-
-@pytest.mark.precision(isolate=True)
-def test_isolated(precision, assert_precision_within):
-    assert_precision_within(precision.run(tiny_model(), tiny_batch(), variants=["bf16"]))
-
-
-def test_plain(precision, assert_precision_within):
-    assert_precision_within(precision.run(tiny_model(), tiny_batch(), variants=["bf16"]))
-"""
-
-
-def _warm_up() -> None:
-    """Import every pytest_precision module and run the tiny model once here: pytester's in-process runs drop
-    the modules first imported inside them, and a second run must not import a second copy of the plugin."""
-    for module in pkgutil.iter_modules(pytest_precision.__path__):
-        importlib.import_module(f"pytest_precision.{module.name}")
-    tiny = types.ModuleType("tinymodel_isolated_warm_up")
-    exec(compile(TINY_MODEL, "tinymodel_isolated_warm_up", "exec"), tiny.__dict__)
-    compare(tiny.tiny_model(), tiny.tiny_batch(), ["bf16"], isolate=True).format()
-
-
-def _run_pytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return pytester.runpytest("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning", *args)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _kinds(path: Any) -> set[str]:
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return {record["kind"] for record in data["variants"]["bf16"]["records"]}
-
-
-def test_gate_on_isolated_rows(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    _warm_up()
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    pytester.makepyfile(tinymodel=TINY_MODEL, test_iso=GATE_TESTS)
-    _run_pytest(pytester, "--update-baselines").assert_outcomes(passed=2)
-    isolated_path = pytester.path / "baselines" / "test_iso" / "test_isolated.cpu.json"
-    plain_path = pytester.path / "baselines" / "test_iso" / "test_plain.cpu.json"
-    assert set(ISOLATED_KINDS) <= _kinds(isolated_path)
-    assert not set(ISOLATED_KINDS) & _kinds(plain_path)
-
-    _run_pytest(pytester).assert_outcomes(passed=2)
-
-    data = json.loads(isolated_path.read_text(encoding="utf-8"))
-    (record,) = [
-        r for r in data["variants"]["bf16"]["records"] if (r["name"], r["kind"]) == ("blocks.1", "fw_isolated")
-    ]
-    assert record["rms_rel"] > 0
-    record["rms_rel"] /= 10
-    isolated_path.write_text(json.dumps(data), encoding="utf-8")
-    result = _run_pytest(pytester)
-    result.assert_outcomes(passed=1, failed=1)
-    text = result.stdout.str()
-    assert "FAILED test_iso.py::test_isolated" in text
-    regressed = [line for line in result.outlines if line.startswith("precision regressed:")]
-    assert len(regressed) == 1, text
-    assert regressed[0].endswith("first: bf16 blocks.1 (fw_isolated)"), regressed[0]
-    rows = [line.split() for line in result.outlines if line.split()[:3] == ["bf16", "blocks.1", "fw_isolated"]]
-    assert rows and rows[0][3] == "rms_rel", text
-
-
-BAD_MARKER_TEST = """
-import pytest
-from tinymodel import tiny_batch, tiny_model
-
-
-@pytest.mark.precision(isolate="yes")
-def test_bad_marker(precision, assert_precision_within):
-    assert_precision_within(precision.run(tiny_model(), tiny_batch(), variants=["bf16"]))
-"""
-
-
-def test_a_bad_isolate_marker_fails_its_test_naming_the_setting(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As for the marker's rtol= and atol=: one line "ConfigurationError: ...", no traceback through the plugin.
-    _warm_up()
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    pytester.makepyfile(tinymodel=TINY_MODEL, test_bad=BAD_MARKER_TEST)
-    result = _run_pytest(pytester)
-    result.assert_outcomes(failed=1)
-    text = "\n".join(result.outlines + result.errlines)
-    message = "ConfigurationError: @pytest.mark.precision(isolate=...) must be True or False, got 'yes'"
-    assert message in result.outlines, text
-    assert "Traceback" not in text and "pytest_precision" not in text, text
-    assert not [line for line in result.outlines if line.startswith(("E   ", ">   "))], text
