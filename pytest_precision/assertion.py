@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from contextvars import ContextVar
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -22,18 +22,20 @@ def assert_precision_within(
     report: PrecisionReport,
     *,
     baseline: str | None = None,
-    rtol: float | None = None,
-    atol: float | None = None,
+    rtol: float | Mapping[str, float] | None = None,
+    atol: float | Mapping[str, float] | None = None,
     metrics: Iterable[str] | None = None,
-    tolerances: Mapping[str, Mapping[str, float]] | None = None,
+    tolerances: Mapping[str, Mapping[str, Any]] | None = None,
     limits: Mapping[str, Mapping[str, float]] | None = None,
 ) -> None:
     """Fail the running test when `report` regressed against its baseline file or breaks `limits`.
 
     baseline: the file stem (default: the test's name with class and parameters).
-    rtol, atol: override every other tolerance. metrics: the gated metrics (default rms_rel; nonfinite is
-    always gated). tolerances: {tensor regex or kind: {"rtol": .., "atol": ..}}. limits: {tensor regex or
-    kind: {metric: bound}}, absolute bounds that hold without a baseline.
+    rtol, atol: override every other tolerance; a number for every metric or {metric: number}. metrics: the
+    gated metrics (default: ini precision_metrics, else rms_rel; nonfinite is always gated). tolerances:
+    {tensor regex or kind: {"rtol": .., "atol": .., metric: {"rtol": ..}}} and {metric: {"rtol": ..}}; the
+    precedence is ToleranceRules'. limits: {tensor regex or kind: {metric: bound}}, absolute bounds that hold
+    without a baseline.
     """
     __tracebackhide__ = True
     item = CURRENT_ITEM.get()

@@ -7,7 +7,8 @@ Infinities are written as the strings "inf" / "-inf", undefined values as null.
 
 `load_baseline` validates a file before the gate uses it: every record an object with a string `name`, a
 known `kind`, a `shape` of non-negative integers, non-negative integer `count` and `nonfinite`, every core
-metric present and each metric a number, null, "inf" or "-inf" (never a NaN / Infinity literal); each
+metric present and each metric a number, null, "inf" or "-inf" (never a NaN / Infinity literal), range
+fractions (underflow_frac, zero_frac, overflow_frac) in [0, 1] and ref_absmax >= 0; each
 tensor once per variant; `variant_order` listing each variant once; a recorded `loss_scale` null or a
 finite positive power of two. Anything else is a BaselineError naming the file, the variant, the tensor
 and the field.
@@ -165,6 +166,8 @@ def json_ready(value: Any, *, exact: bool = False) -> Any:
 METRIC_FIELDS: tuple[str, ...] = tuple(
     f.name for f in dataclasses.fields(Record) if f.name not in ("name", "kind", "shape", "count", "nonfinite")
 )
+#: Range statistics that are fractions of a tensor's elements (see metrics.RangeStats).
+FRACTION_METRICS = ("underflow_frac", "zero_frac", "overflow_frac")
 #: Metric fields every record holds (the others only where defined, see Record.to_dict).
 REQUIRED_METRICS: tuple[str, ...] = tuple(m for m in METRIC_NAMES if m != "nonfinite")
 
@@ -399,6 +402,13 @@ def _record_problem(record: Any, variant: str, index: int) -> str | None:
             return f"{where}: field {metric!r} holds the literal {value}, {_LITERAL_HINT}"
         if value is not None and value not in ("inf", "-inf") and not _real(value):
             return f'{where}: field {metric!r} is {value!r}, not a number, null, "inf" or "-inf"'
+    for metric in FRACTION_METRICS:
+        value = record.get(metric)
+        if value is not None and not (_real(value) and 0 <= value <= 1):
+            return f"{where}: field {metric!r} is {value!r}, not a fraction in [0, 1] (or null)"
+    value = record.get("ref_absmax")
+    if value is not None and not (value == "inf" or (_real(value) and value >= 0)):
+        return f"{where}: field 'ref_absmax' is {value!r}, not a non-negative number (or null)"
     return None
 
 

@@ -2,6 +2,7 @@
 
 pytest-precision show baselines/tests/test_llama/test_bf16.cpu.json --kind fw
 pytest-precision diff old.json new.json --rtol 0.1
+pytest-precision diff --against main baselines
 pytest-precision run path/to/checkpoint --variants bf16,fp16 --length 256 --text prompt.txt
 """
 
@@ -15,13 +16,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .baseline_diff import Row as Row
+from .baseline_diff import diff_rows as diff_rows
+from .baseline_diff import lost_checks as lost_checks
 from .errors import PrecisionError
 from .report import KINDS
 from .report_files import reports_in
 
 if TYPE_CHECKING:
-    from .report import PrecisionReport
-    from .tolerance import Tolerance
+    from .tolerance import Level
 
 EPILOG = """examples:
   pytest-precision show baselines/tests/test_llama/test_bf16.cpu.json
@@ -29,8 +32,33 @@ EPILOG = """examples:
   pytest-precision diff old.json new.json
       what a pull request that changes baselines changes: largest changes first; exit 1 when worse
       or when a variant, a tensor or a defined metric of old.json is gone
+  pytest-precision diff --against main [baselines]
+      every baseline committed on main against the working tree's, one section per test and a summary;
+      exit 1 also when a baseline of main is gone (a dropped gate); added baselines pass
+  pytest-precision diff old_baselines/ baselines/
+      the same for two folders, paired by path
   pytest-precision run ./my-checkpoint --variants bf16,fp16 --text prompt.txt
       load a local transformers checkpoint (no hub access) and print its tables
+"""
+
+DIFF_DESCRIPTION = """Per variant and tensor: old, new and ratio for the gated metrics, largest changes first.
+
+Exit code 1 when NEW is worse than OLD: a metric worse beyond --rtol/--atol, a variant, tensor or
+test of OLD missing from NEW, a metric that was a number and is undefined (null/NaN) in NEW, or more
+non-finite values. Exit code 2 when a file cannot be read or no test pairs up.
+
+OLD NEW, two files: they pair by test id; one baseline against a session report compares that test
+only. Example: git show main:baselines/x.json > old.json; pytest-precision diff old.json baselines/x.json
+
+OLD NEW, two folders: their baselines (<stem>.<device>.json files the plugin wrote; other JSON is
+ignored and counted) pair by path, one section per test, then a summary line. A baseline only in NEW
+is added (passes); one only in OLD is removed and fails: a baseline that disappeared is a gate that
+was dropped.
+
+--against REF [PATH]: the baselines committed at git ref REF (a branch, tag or commit) under PATH
+(default baselines, relative to the current directory) against the working tree's, committed or not,
+as two folders; PATH may also be one baseline file. What a pull request changes, before pushing it:
+  pytest-precision diff --against main
 """
 
 
@@ -66,101 +94,10 @@ def _show(arguments: argparse.Namespace) -> int:
     return 0
 
 
-Row = tuple[str, str, str, str, float | None, float | None, float | None]
-
-
-def _undefined(value: float | None) -> bool:
-    return value is None or math.isnan(value)
-
-
-def diff_rows(old: PrecisionReport, new: PrecisionReport, metrics: Sequence[str]) -> list[Row]:
-    """(variant, tensor, kind, metric, old, new, new/old) for tensors in both, largest change first."""
-    rows = []
-    for variant in new.variants:
-        if variant not in old.variants:
-            continue
-        before = {(r.name, r.kind): r for r in old.records(variant)}
-        for record in new.records(variant):
-            previous = before.get((record.name, record.kind))
-            if previous is None:
-                continue
-            for metric in metrics:
-                a, b = previous.metric(metric), record.metric(metric)
-                ratio = None if a is None or b is None or a == 0 or math.isnan(a) or math.isnan(b) else b / a
-                rows.append((variant, record.name, record.kind, metric, a, b, ratio))
-
-    def change(row: Row) -> float:
-        ratio = row[6]
-        if ratio is None or ratio <= 0 or not math.isfinite(ratio):
-            return 0.0 if row[4] == row[5] or (_undefined(row[4]) and _undefined(row[5])) else math.inf
-        return abs(math.log(ratio))
-
-    return sorted(rows, key=change, reverse=True)
-
-
-def _worse(row: Row, tolerance: Tolerance) -> bool:
-    """Whether a row's metric is a number in both and got worse beyond the tolerance."""
-    from .tolerance import is_worse
-
-    metric, before, after = row[3], row[4], row[5]
-    if before is None or after is None or math.isnan(before) or math.isnan(after):
-        return False
-    return is_worse(metric, before, after, tolerance)
-
-
-def lost_checks(old: PrecisionReport, new: PrecisionReport, metrics: Sequence[str]) -> list[str]:
-    """What `new` no longer checks or newly breaks, one line each: a variant or tensor it dropped, a metric
-    that was a number and became undefined (null/NaN), more non-finite values than before."""
-    lines = [f"dropped variant {variant}" for variant in old.variants if variant not in new.variants]
-    for variant in old.variants:
-        if variant not in new.variants:
-            continue
-        after = {(r.name, r.kind): r for r in new.records(variant)}
-        for previous in old.records(variant):
-            tensor = f"{variant} {previous.name} ({previous.kind})"
-            record = after.get((previous.name, previous.kind))
-            if record is None:
-                lines.append(f"dropped tensor {tensor}")
-                continue
-            for metric in metrics:
-                if not _undefined(previous.metric(metric)) and _undefined(record.metric(metric)):
-                    lines.append(f"{tensor}: {metric} became undefined")
-            if record.nonfinite > previous.nonfinite:
-                lines.append(f"{tensor}: nonfinite {previous.nonfinite} -> {record.nonfinite}")
-    return lines
-
-
-def _pairs(old_path: Path, new_path: Path) -> list[tuple[str, PrecisionReport | None, PrecisionReport | None]]:
-    """(label, old report, new report) per test, paired by test id (None: not in that file); the only test of
-    each file pair up whatever their ids. A single test against several pairs with its own id, or refuses."""
-    old_reports, new_reports = reports_in(old_path), reports_in(new_path)
-    for path, reports in ((old_path, old_reports), (new_path, new_reports)):
-        if not reports:
-            raise PrecisionError(f"{path} holds no precision results (a session report without tests?)")
-    if len(old_reports) == 1 and len(new_reports) == 1:
-        (label, new), old = next(iter(new_reports.items())), next(iter(old_reports.values()))
-        return [(label, old, new)]
-    shared = set(old_reports) & set(new_reports)
-    if not shared:
-        raise PrecisionError(
-            f"no test is in both {old_path} ({', '.join(sorted(old_reports)[:3])}"
-            f"{', ...' if len(old_reports) > 3 else ''}) and {new_path} ({', '.join(sorted(new_reports)[:3])}"
-            f"{', ...' if len(new_reports) > 3 else ''}); diff the baseline of a test against a session report "
-            "holding that test id, or two files of the same tests"
-        )
-    if len(old_reports) == 1 or len(new_reports) == 1:
-        # One test against a session report: only that test is compared.
-        return [(label, old_reports[label], new_reports[label]) for label in sorted(shared)]
-    return [(label, old_reports.get(label), new) for label, new in new_reports.items()] + [
-        (label, old, None) for label, old in old_reports.items() if label not in new_reports
-    ]
-
-
 def _diff(arguments: argparse.Namespace) -> int:
-    from .messages import format_number
+    from .baseline_diff import DiffOptions, diff_against, diff_files, diff_trees, folder_side
     from .metrics import METRIC_DIRECTIONS
-    from .tables import render
-    from .tolerance import Tolerance
+    from .tolerance import ToleranceRules, base_of_levels
 
     metrics = arguments.metric or ["rms_rel"]
     unknown = [m for m in metrics if m not in METRIC_DIRECTIONS]
@@ -168,45 +105,29 @@ def _diff(arguments: argparse.Namespace) -> int:
         raise PrecisionError(
             f"--metric: unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRIC_DIRECTIONS)}"
         )
-    tolerance = Tolerance(rtol=arguments.rtol, atol=arguments.atol)
-    failed = 0
-    for label, old, new in _pairs(Path(arguments.old), Path(arguments.new)):
-        if old is None:
-            print(f"== {label}: not in {arguments.old} (a new test)")
-            continue
-        if new is None:
-            print(f"== {label}: dropped, in {arguments.old} but not in {arguments.new}")
-            failed += 1
-            continue
-        rows = diff_rows(old, new, metrics)
-        got_worse = {row for row in rows if _worse(row, tolerance)}
-        lost = lost_checks(old, new, metrics)
-        failed += len(got_worse) + len(lost)
-        lost_note = f"; {len(lost)} check{'s' if len(lost) > 1 else ''} lost or newly non-finite" if lost else ""
-        print(
-            f"== {label}: {len(got_worse)} of {len(rows)} tensor metrics worse beyond rtol {arguments.rtol}{lost_note}"
+    base, per_metric = base_of_levels(arguments.rtol or (None, {}), arguments.atol or (None, {}))
+    options = DiffOptions(metrics, ToleranceRules(base=base, base_metrics=per_metric), arguments.limit)
+    if arguments.against is not None:
+        if arguments.new is not None:
+            raise PrecisionError(
+                f"--against {arguments.against} compares the working tree's PATH with that ref: give one PATH "
+                f"(default baselines), not OLD and NEW ({arguments.old} {arguments.new})"
+            )
+        return diff_against(arguments.against, Path(arguments.old or "baselines"), options)
+    if arguments.new is None:
+        raise PrecisionError(
+            "give OLD and NEW (two baseline files, or two folders of baselines), or --against REF [PATH] to "
+            "compare the baselines committed at a git ref with the working tree's"
         )
-        for line in lost:
-            print(f"  {line}")
-        only_new = [v for v in new.variants if v not in old.variants]
-        if only_new:
-            print(f"  variants only in new: {', '.join(only_new)}")
-        shown = rows[: arguments.limit]
-        table = [
-            [
-                *row[:4],
-                format_number(row[4]),
-                format_number(row[5]),
-                "-" if row[6] is None else f"{row[6]:.3g}x",
-                "WORSE" if row in got_worse else "UNDEFINED" if _undefined(row[5]) and not _undefined(row[4]) else "",
-            ]
-            for row in shown
-        ]
-        for line in render(["variant", "tensor", "kind", "metric", "old", "new", "ratio", ""], table, left=4):
-            print(line)
-        if len(rows) > len(shown):
-            print(f"  ... {len(rows) - len(shown)} more (--limit)")
-    return 1 if failed else 0
+    old, new = Path(arguments.old), Path(arguments.new)
+    if old.is_dir() and new.is_dir():
+        return diff_trees(folder_side(old, arguments.old), folder_side(new, arguments.new), options)
+    if old.is_dir() or new.is_dir():
+        folder, other = (arguments.old, arguments.new) if old.is_dir() else (arguments.new, arguments.old)
+        raise PrecisionError(
+            f"{folder} is a folder and {other} is not: give two baseline files, or two folders of baselines"
+        )
+    return diff_files(old, new, options)
 
 
 def _run(arguments: argparse.Namespace) -> int:
@@ -227,15 +148,17 @@ def _run(arguments: argparse.Namespace) -> int:
     return 0
 
 
-def _tolerance(text: str) -> float:
-    """argparse type of --rtol/--atol: a finite number >= 0."""
+def _tolerance(text: str) -> Level:
+    """argparse type of --rtol/--atol: a finite number >= 0, METRIC=NUMBER entries, or both ("0.1 max_rel=0.5")."""
+    from .tolerance import parsed_level
+
     try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= 0")
-    return value
+        level = parsed_level(text, "tolerance")
+    except PrecisionError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("tolerance: ")) from None
+    if not all(math.isfinite(value) for value in [*level[1].values(), *([] if level[0] is None else [level[0]])]):
+        raise argparse.ArgumentTypeError(f"{text!r} must be finite numbers >= 0")
+    return level
 
 
 def _positive(text: str) -> int:
@@ -271,18 +194,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     diff = commands.add_parser(
         "diff",
-        help="compare two baseline files (exit 1 when something got worse or is no longer checked)",
-        description="Per variant and tensor: old, new and ratio for the gated metrics, largest changes first. "
-        "Exit code 1 when NEW is worse than OLD: a metric worse beyond --rtol/--atol, a variant, tensor or test of "
-        "OLD missing from NEW, a metric that was a number and is undefined (null/NaN) in NEW, or more non-finite "
-        "values; exit code 2 when a file cannot be read or no test pairs up. Files pair by test id; one baseline "
-        "against a session report compares that test only. Example: git show main:baselines/x.json > old.json; "
-        "pytest-precision diff old.json baselines/x.json",
+        help="compare two baseline files, two folders, or the baselines committed at a git ref (exit 1 when "
+        "something got worse or is no longer checked)",
+        usage="pytest-precision diff OLD NEW [options]\n       pytest-precision diff --against REF [PATH] [options]",
+        description=DIFF_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    diff.add_argument("old")
-    diff.add_argument("new")
-    diff.add_argument("--rtol", type=_tolerance, default=0.10, help="relative tolerance (default 0.10)")
-    diff.add_argument("--atol", type=_tolerance, default=1e-5, help="absolute tolerance (default 1e-5)")
+    diff.add_argument("old", nargs="?", metavar="OLD", help="baseline file or folder (with --against: PATH)")
+    diff.add_argument("new", nargs="?", metavar="NEW", help="baseline file or folder")
+    diff.add_argument(
+        "--against",
+        metavar="REF",
+        help="a git branch, tag or commit: compare its committed baselines under PATH with the working tree's",
+    )
+    diff.add_argument(
+        "--rtol",
+        type=_tolerance,
+        metavar="RTOL",
+        help="relative tolerance (default 0.10); per metric as METRIC=RTOL, e.g. '0.1 max_rel=0.5'",
+    )
+    diff.add_argument(
+        "--atol", type=_tolerance, metavar="ATOL", help="absolute tolerance (default 1e-5); per metric as METRIC=ATOL"
+    )
     diff.add_argument("--metric", action="append", help="metric to compare (repeatable; default rms_rel)")
     diff.add_argument("--limit", type=_positive, default=30, help="rows shown per test (default 30)")
     diff.set_defaults(handler=_diff)

@@ -30,15 +30,18 @@ from .logprobs import (
 )
 from .metrics import (
     TensorError,
+    combine_range_sums,
     error_sums,
     exact_error,
     exact_sums,
     fast_error,
     fast_pass_applies,
+    range_from_sums,
+    range_sums,
     reference_sums,
     to_host,
 )
-from .model_build import FactoryProducts, ModelFactory, build_run_model
+from .model_build import FactoryProducts, ModelFactory, build_run_model, parameter_dtypes
 from .positions import Positions, batch_positions, select_positions
 from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
@@ -160,6 +163,10 @@ FP16_MAX = 65504.0
 #: A TypeError about the call's arguments (wrong keyword, missing or extra positional argument).
 _ARGUMENT_ERROR = re.compile(r"argument|positional|keyword")
 GRADIENT_KINDS = ("bw", "grad")
+#: compare(weight_cast=True): each parameter as the variant holds it, against the reference's.
+WEIGHT_KIND = "weight_cast"
+#: Kinds without range statistics: scalars and per-token log-probabilities, not tensors a dtype holds.
+NO_RANGE_KINDS = ("logprob", "loss")
 #: Internal kind: the reference's logits, kept to compare whole next-token distributions.
 LOGITS_KIND = "logits"
 
@@ -204,6 +211,10 @@ class _Runner:
         self.inputs_described = (self.batch.shapes(), self.positions.token_count)
         #: Whether every rank got the same inputs (tensor parallelism) rather than its own rows (data parallel).
         self.same_inputs = True
+        #: Set by measure: stream every floating parameter as a "weight_cast" row after building a run's model (not in
+        #: isolated or recording runs), and give records range statistics (see metrics.RangeStats).
+        self.weight_cast = False
+        self.range_stats = False
         if self.distributed:
             everyone = distributed.exchange((self.inputs_described, self.batch.digest()))
             self.inputs_described = everyone[0][0]
@@ -245,15 +256,17 @@ class _Runner:
             args, kwargs = self.batch.on(self.device, float_dtype)
             call_inputs: Any = kwargs if not args else (args[0] if len(args) == 1 else args)
             seed_run(self.device)
-            autocast = torch.autocast(
-                device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
-            )
+            autocast = self._autocast(variant)
             watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
             if origin is not None:
                 watch = trace_nonfinite(model, backward=self.backward)
             if self.distributed:
                 sink = self._localized(sink)
                 self.mesh = mesh_of(model)
+            if self.weight_cast and isolation is None and recording is None:
+                for parameter_name, parameter in model.named_parameters():  # tied ones once
+                    if parameter.is_floating_point():
+                        sink(parameter_name, WEIGHT_KIND, parameter.detach())
             if isolation is not None:
                 return self._run_isolated(model, variant, sink, loss_scale, isolation, (args, kwargs), flags)
             if variant.arrangement is not None:
@@ -313,6 +326,12 @@ class _Runner:
             del model, output, loss
         return info
 
+    def _autocast(self, variant: Variant) -> torch.autocast:
+        """The variant's torch.autocast on the run's device (disabled unless variant.autocast)."""
+        import torch
+
+        return torch.autocast(device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast)
+
     def _info(self, model: nn.Module, variant: Variant, flags: Any) -> RunInfo:
         categories, tied = parameter_categories(model)
         return RunInfo(
@@ -339,7 +358,6 @@ class _Runner:
         """The forward of `variant` as its arrangement computes it (see arrangements.py), each call's tensors
         reassembled into the reference's layout and streamed to `sink`: fw rows, the logits and log-probs (with
         `origin`, where NaN/Inf first appeared, as in run)."""
-        import torch
 
         arrangement = variant.arrangement
         assert isinstance(arrangement, Arrangement) and self.module_names is not None
@@ -348,9 +366,7 @@ class _Runner:
                 f"variant {variant.name!r}: arrangements run in one process, not under torch.distributed"
             )
         assembler = Assembler(arrangement.name, *token_grid(self.batch, variant.name, arrangement.name))
-        autocast = torch.autocast(
-            device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
-        )
+        autocast = self._autocast(variant)
         watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
         if origin is not None:
             watch = trace_nonfinite(model, backward=False)
@@ -391,9 +407,7 @@ class _Runner:
                 sink(name, isolated.isolated_kind(kind), tensor)
 
         args, kwargs = call
-        autocast = torch.autocast(
-            device_type=self.device.type, dtype=torch_dtype(variant.dtype), enabled=variant.autocast
-        )
+        autocast = self._autocast(variant)
         with (
             isolated.isolate(model, boundary_names, recorded, scale=loss_scale, variant=variant.name) as run,
             capture(model, self.module_names, isolated_sink, backward=self.backward),
@@ -434,6 +448,7 @@ class _Runner:
             "sums": [values for _, _, values, _ in raw],
             "parts": [self.parts.get(key, Part(None, item.shape)) for key, (item, *_) in zip(keys, raw, strict=True)],
             "log_ratio": [log_ratio for *_, log_ratio in raw],
+            "range": [item.range_host for item, *_ in raw],
             "distribution": None if distribution is None else (distribution, rows),
         }
         everyone = distributed.exchange(local)
@@ -453,7 +468,10 @@ class _Runner:
             ratio = None
             if log_ratio is not None:
                 ratio = add_vectors([everyone[r]["log_ratio"][index] for r in chosen], maximum=LOG_RATIO_MAXIMA)
-            combined.append((dataclasses.replace(item, shape=shape), None, vector, ratio))
+            ranges = None
+            if item.range_host is not None:
+                ranges = combine_range_sums([everyone[r]["range"][index] for r in chosen])
+            combined.append((dataclasses.replace(item, shape=shape, range_host=ranges), None, vector, ratio))
         seen: set[str] = set()
         kept: list[tuple[list[float], int]] = []
         for sent in everyone:
@@ -513,6 +531,61 @@ class _Runner:
         return select_positions(tensor, positions.shape, positions.index) if kind in ("fw", "bw") else tensor
 
 
+def compute_dtype(variant: Variant) -> torch.dtype:
+    """The dtype `variant` computes in, which its range statistics count in: its FSDP2 param_dtype when set, else
+    its dtype (for an autocast variant, the autocast dtype; fp32_modules are not told apart)."""
+    return torch_dtype(variant.param_dtype or variant.dtype)
+
+
+class _WithWeights(Mapping[TensorKey, "torch.Tensor"]):
+    """The reference's captured tensors and its parameters' weight rows, each looked up where it is kept (an
+    offloaded reference's tensors move to the device one at a time, when looked up)."""
+
+    def __init__(self, tensors: Mapping[TensorKey, torch.Tensor], weights: Mapping[TensorKey, torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.weights = weights
+
+    def __getitem__(self, key: TensorKey) -> torch.Tensor:
+        return self.weights[key] if key in self.weights else self.tensors[key]
+
+    def __iter__(self) -> Iterator[TensorKey]:
+        yield from self.tensors
+        yield from (key for key in self.weights if key not in self.tensors)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def reference_weights(ref: Reference) -> dict[TensorKey, torch.Tensor]:
+    """The reference's floating parameters by (name, "weight_cast"), on its device, as the reference run held them:
+    a model's own parameters cast to the reference dtype (no copy when they already are), or, for a factory or
+    a reference with `prepare`, those of a reference model built as its run built it (no forward)."""
+    from torch import nn
+
+    source = ref.source
+    if isinstance(source, nn.Module) and ref.variant.prepare is None:
+        wanted = parameter_dtypes(source, ref.variant.weight_dtype)
+        return {
+            (name, WEIGHT_KIND): parameter.detach().to(device=ref.device, dtype=wanted[name])
+            for name, parameter in source.named_parameters()
+            if name in wanted
+        }
+    assert source is not None and not isinstance(source, ShardedModel)
+    model = build_run_model(source, ref.variant, ref.device, ref.products)
+    return {
+        (name, WEIGHT_KIND): parameter.detach()
+        for name, parameter in model.named_parameters()
+        if parameter.is_floating_point()
+    }
+
+
+def _check_flag(value: object, argument: str) -> bool:
+    """A True/False option, or a ConfigurationError naming it."""
+    if not isinstance(value, bool):
+        raise ConfigurationError(f"{argument} must be True or False, got {value!r}")
+    return value
+
+
 def _shape(tensor: torch.Tensor | None) -> tuple[int, ...] | None:
     return None if tensor is None else tuple(tensor.shape)
 
@@ -567,6 +640,8 @@ class _Pending:
     reference: torch.Tensor | None  # reference_sums (fast pass), None for the exact pass
     values: torch.Tensor  # error_sums or exact_sums
     log_ratio: torch.Tensor | None = None
+    range_values: torch.Tensor | None = None  # range_sums (compare(range_stats=True))
+    range_host: list[float] | None = None  # their host copy, once resolved
 
 
 #: A _Pending's statistics on the host: (item, reference_sums or None, error_sums or exact_sums, log_ratio_sums).
@@ -609,6 +684,8 @@ class _VariantPass:
         self.needs_exact = False
         #: The variant's chosen-token log-probabilities (batch, seq - 1), float64, when the model has them.
         self.logprobs: torch.Tensor | None = None
+        #: The dtype range statistics are counted in (None: compare(range_stats=False)).
+        self.range_dtype = compute_dtype(variant) if runner.range_stats else None
 
     def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         import torch
@@ -651,15 +728,30 @@ class _VariantPass:
             self.logprobs = obtained.to(torch.float64)
             delta = self.logprobs - expected.to(torch.float64)
             log_ratio = log_ratio_sums(delta, positions.valid, clip_eps=runner.clip_eps)
+        range_values = None
+        if self.range_dtype is not None and kind not in NO_RANGE_KINDS:
+            # The values the variant holds: a loss-scaled gradient `scale` times the reference's.
+            range_values = range_sums(reference, self.range_dtype, scale=scale)
         self.pending.append(
-            _Pending(name, record_kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)
+            _Pending(
+                name,
+                record_kind,
+                tuple(tensor.shape),
+                reference.numel(),
+                reference_values,
+                values,
+                log_ratio,
+                range_values,
+            )
         )
 
     def resolve(self) -> None:
         """Copy every statistic of the pass to the host at once and build the records."""
         device_values: list[torch.Tensor] = []
         for item in self.pending:
-            device_values += [v for v in (item.reference, item.values, item.log_ratio) if v is not None]
+            device_values += [
+                v for v in (item.reference, item.values, item.log_ratio, item.range_values) if v is not None
+            ]
         if self.distribution is not None:
             device_values.append(self.distribution)
         host = iter(resolve_pending(device_values))
@@ -668,6 +760,9 @@ class _VariantPass:
             reference = next(host) if item.reference is not None else None
             values = next(host)
             raw.append((item, reference, values, next(host) if item.log_ratio is not None else None))
+            if item.range_values is not None:
+                item.range_host = next(host)
+                item.range_values = None
         distribution = next(host) if self.distribution is not None else None
         rows = self.runner.positions.logits_index
         row_count = 0 if rows is None else int(rows.numel())
@@ -687,8 +782,10 @@ class _VariantPass:
         for item, error, log_ratio in results:
             assert error is not None
             extra: dict[str, Any] = {}
+            if item.range_host is not None:
+                extra = dataclasses.asdict(range_from_sums(item.range_host))
             if log_ratio is not None:
-                extra = dataclasses.asdict(log_ratio_from_sums(log_ratio))
+                extra |= dataclasses.asdict(log_ratio_from_sums(log_ratio))
                 if distribution is not None:
                     extra |= dataclasses.asdict(distribution_from_sums(distribution, row_count))
             self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
@@ -1240,10 +1337,14 @@ def measure(
     loss_scale: LossScale = None,
     repeats: int = 1,
     verify: bool = True,
+    range_stats: bool = False,
+    weight_cast: bool = False,
 ) -> PrecisionReport:
     """Measure each variant against the reference's stored tensors (the reference does not run again, but
     for repeats > 1, to measure its noise once per Reference). Under torch.distributed, a failure on any rank
-    fails every rank alike."""
+    fails every rank alike. `range_stats`, `weight_cast`: see compare."""
+    _check_flag(range_stats, "range_stats")
+    _check_flag(weight_cast, "weight_cast")
     if ref.source is None:
         where = f" from {ref.path}" if ref.path else ""
         raise ConfigurationError(
@@ -1266,7 +1367,17 @@ def measure(
     stored = ref.tensors()
     with preserved_rng(ref.device), ambient_modes_off(ref.device):
         runner = _runner(ref, repeats)
+        if weight_cast and (runner.distributed or isinstance(ref.source, ShardedModel)):
+            raise ConfigurationError(
+                "weight_cast=True: weight rows are measured in one process, not under torch.distributed or for a "
+                "sharded model; leave weight_cast off there (compare the unsharded model in one process instead)"
+            )
         noise = _reference_noise(runner, ref, repeats)
+        # Set after the reference's noise passes, which measure its captured tensors only.
+        runner.range_stats = range_stats
+        if weight_cast:
+            runner.weight_cast = True
+            stored = _WithWeights(stored, reference_weights(ref))
         report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
         isolation = isolation_inputs(runner, ref) if any(v.isolate for v in variants) else None
         for variant in variants:
@@ -1287,6 +1398,9 @@ def measure(
             absent = (LOGITS_KIND,) if variant.arrangement is None else (LOGITS_KIND, "loss", *GRADIENT_KINDS)
             missing = [key for key in stored if key not in seen and key[1] not in absent]
             report.add(variant.name, info, records, missing)
+        # The weights' reference_sums served this call's variants only (harmless if an error leaves them).
+        for key in [key for key in ref.sums if key[1] == WEIGHT_KIND]:
+            del ref.sums[key]
         kept_reference = stored.get(("logprob", "logprob"))
         if report.token_logprobs and kept_reference is not None and runner.valid is not None:
             report.reference_logprobs = kept_reference
@@ -1316,6 +1430,8 @@ def compare(
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
     isolate: bool | None = None,
+    range_stats: bool = False,
+    weight_cast: bool = False,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -1351,6 +1467,15 @@ def compare(
     cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
         parameter values, hooks, attributes, inputs and options (see pytest_precision.references for what
         the key covers; a model it cannot fingerprint runs its reference again).
+    range_stats: True gives every record but logprob and loss rows the range statistics of its reference
+        tensor in the variant's compute dtype (see metrics.RangeStats): underflow_frac, zero_frac,
+        overflow_frac, ref_absmax, dynamic_range_log2; bw and grad rows of a loss-scaled fp16 variant are
+        counted at its loss scale, as the variant holds them. Off: None, and left out of JSON.
+    weight_cast: True adds a "weight_cast" row per floating parameter (tied ones once): the parameter as the
+        variant's model holds it, built as for its run (cast, fp32-kept modules, autocast's fp32 weights),
+        against the reference's, with the usual metrics: the error of the cast alone (no extra forward or
+        backward). Also for arrangement variants (a weight does not depend on how the tokens are run); not
+        in isolated passes, not under torch.distributed (a ConfigurationError).
 
     The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
     same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
@@ -1383,6 +1508,8 @@ def compare(
     else:
         _check_model(model)
     _check_repeats(repeats)
+    _check_flag(range_stats, "range_stats")
+    _check_flag(weight_cast, "weight_cast")
     if variants is None:
         raise ConfigurationError("variants: give a non-empty list, e.g. variants=['bf16', 'fp16']")
     variant_list = resolve_variants(variants)
@@ -1393,7 +1520,14 @@ def compare(
             # Arrangements compare another way of running the same tokens, forward only: not isolated.
             variant_list = [v if v.arrangement else dataclasses.replace(v, isolate=True) for v in variant_list]
     if isinstance(model, Reference):
-        return measure(model, variant_list, loss_scale=loss_scale, repeats=repeats)
+        return measure(
+            model,
+            variant_list,
+            loss_scale=loss_scale,
+            repeats=repeats,
+            range_stats=range_stats,
+            weight_cast=weight_cast,
+        )
     ref = build_reference(
         model,
         inputs,
@@ -1409,7 +1543,15 @@ def compare(
         checksum=cache is not None,
     )
     try:
-        return measure(ref, variant_list, loss_scale=loss_scale, repeats=repeats, verify=False)
+        return measure(
+            ref,
+            variant_list,
+            loss_scale=loss_scale,
+            repeats=repeats,
+            verify=False,
+            range_stats=range_stats,
+            weight_cast=weight_cast,
+        )
     finally:
         if cache is None:
             ref.stored.clear()

@@ -22,10 +22,11 @@ _KIND_ORDER = {
     "loss": 2,
     "bw": 3,
     "grad": 4,
-    "fw_isolated": 5,
-    "bw_isolated": 6,
-    "grad_isolated": 7,
-    "*": 8,
+    "weight_cast": 5,
+    "fw_isolated": 6,
+    "bw_isolated": 7,
+    "grad_isolated": 8,
+    "*": 9,
 }
 
 REFRESH_TEMPLATE = "pytest {nodeid} {flag}"
@@ -52,7 +53,7 @@ def execution_order(violations: Sequence[Violation], order: dict[tuple[str, str,
         violations,
         key=lambda v: (
             variants.index(v.variant),
-            _KIND_ORDER.get(v.kind, 9),
+            _KIND_ORDER.get(v.kind, 10),
             order.get((v.variant, v.name, v.kind), math.inf),
         ),
     )

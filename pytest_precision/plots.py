@@ -8,6 +8,7 @@ Plots are drawn on a standalone Figure with the Agg canvas: pyplot and matplotli
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,12 @@ def matplotlib_available() -> bool:
 
 
 def plot_path(directory: Path, nodeid: str) -> Path:
-    """Where a test's plot goes: DIR/<sanitised test name>.png."""
-    return Path(directory) / f"{baseline_stem(nodeid) or 'test'}.png"
+    """Where a test's plot goes: DIR/<test file, without .py>/<sanitised test name>.png, the layout of the
+    baseline files, so that tests of the same name in two files get two plots."""
+    file_part = nodeid.split("::", 1)[0] if "::" in nodeid else ""
+    folders = [re.sub(r"[^A-Za-z0-9_.\-]+", "_", part) for part in Path(file_part).with_suffix("").parts]
+    folders = [part for part in folders if part.strip(".")]  # no "..", ".", or empty components
+    return Path(directory, *folders, f"{baseline_stem(nodeid) or 'test'}.png")
 
 
 def _series(records: Sequence[Record], metric: str) -> tuple[list[int], list[float]]:

@@ -29,15 +29,19 @@ from .launcher import (  # noqa: E402
 from .session import (  # noqa: E402
     OPTION_ATOL,
     OPTION_BASELINE_DIR,
+    OPTION_FAIL_STALE,
+    OPTION_METRICS,
     OPTION_PRUNE,
     OPTION_REPORT,
     OPTION_RTOL,
     OPTION_STRICT,
     OPTION_TABLES,
     OPTION_UPDATE,
+    OPTION_UPDATE_MODE,
     SESSION_KEY,
     TABLES_KEY,
     UPDATE_FLAGS,
+    UPDATE_MODES,
     PrecisionRunner,
     PrecisionSession,
     PrecisionUnassertedWarning,
@@ -88,10 +92,45 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         "--precision-baseline-dir",
         default=None,
         dest=OPTION_BASELINE_DIR,
+        metavar="DIR",
         help="folder of baseline files, relative to rootdir (default: baselines)",
     )
-    group.addoption("--precision-rtol", default=None, dest=OPTION_RTOL, help="default relative tolerance (0.10)")
-    group.addoption("--precision-atol", default=None, dest=OPTION_ATOL, help="default absolute tolerance (1e-5)")
+    group.addoption(
+        "--precision-update-mode",
+        default=None,
+        dest=OPTION_UPDATE_MODE,
+        choices=UPDATE_MODES,
+        help=f"what {UPDATE_ALIAS} rewrites: all files whose numbers moved (default), failing (only files whose "
+        "test fails, and missing ones), missing (only missing files)",
+    )
+    group.addoption(
+        "--precision-rtol",
+        default=None,
+        dest=OPTION_RTOL,
+        metavar="RTOL",
+        help="default relative tolerance (0.10); per metric as METRIC=RTOL, e.g. '0.1 max_rel=0.5'",
+    )
+    group.addoption(
+        "--precision-atol",
+        default=None,
+        dest=OPTION_ATOL,
+        metavar="ATOL",
+        help="default absolute tolerance (1e-5); per metric as METRIC=ATOL, e.g. '1e-5 max_abs=1e-3'",
+    )
+    group.addoption(
+        "--precision-metrics",
+        default=None,
+        dest=OPTION_METRICS,
+        metavar="METRICS",
+        help="metrics gated when a test names none, comma-separated (default rms_rel)",
+    )
+    group.addoption(
+        "--precision-fail-stale",
+        action="store_true",
+        default=None,
+        dest=OPTION_FAIL_STALE,
+        help="fail the session when baseline files no test uses remain (after a full run; also --precision-strict)",
+    )
     group.addoption(
         "--precision-tables",
         action="store_true",
@@ -104,7 +143,8 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
         action="store_true",
         default=None,
         dest=OPTION_STRICT,
-        help="fail a test whose error improved beyond tolerance, until its baseline is tightened",
+        help="fail a test whose error improved beyond tolerance, until its baseline is tightened, and fail the "
+        "session on stale baseline files",
     )
     group.addoption(
         "--precision-prune",
@@ -128,6 +168,9 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
     parser.addini(OPTION_RTOL, "like --precision-rtol", default="")
     parser.addini(OPTION_ATOL, "like --precision-atol", default="")
     parser.addini(OPTION_TABLES, "like --precision-tables", type="bool", default=False)
+    parser.addini(OPTION_METRICS, "like --precision-metrics (space- or comma-separated)", default="")
+    parser.addini(OPTION_UPDATE_MODE, "like --precision-update-mode (all, failing, missing)", default="all")
+    parser.addini(OPTION_FAIL_STALE, "like --precision-fail-stale", type="bool", default=False)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -141,22 +184,28 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
 def _add_update_alias(parser: pytest.Parser) -> bool:
     """Add --update-baselines (first in this plugin's help group) unless it is taken; whether it was added."""
-    taken = {name for group in parser._groups for argument in group.options for name in argument.names()}
+    # pytest < 9 keeps a conftest's own parser.addoption(...) in parser._anonymous, outside parser._groups.
+    groups = [*parser._groups, getattr(parser, "_anonymous", None)]
+    taken = {name for group in groups if group is not None for argument in group.options for name in argument.names()}
     if UPDATE_ALIAS in taken:
         return False
     group = parser.getgroup(GROUP)
     group.addoption(UPDATE_ALIAS, action="store_true", default=False, dest=OPTION_UPDATE, help=UPDATE_HELP)
-    # Shown first in --help, where it always was (argparse keeps the order of its own list).
+    # Shown first in --help, where it always was. pytest >= 9 also keeps an argparse group whose own list sets
+    # the order; before 9 the options list alone does.
     group.options.insert(0, group.options.pop())
-    actions = group._arggroup._group_actions
-    actions.insert(0, actions.pop())
+    argparse_group = getattr(group, "_arggroup", None)
+    if argparse_group is not None:
+        actions = argparse_group._group_actions
+        actions.insert(0, actions.pop())
     return True
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate; "
+        "precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate (a number, or "
+        "{metric: number}); "
         "isolate=True also measures each module's isolated error in precision.run",
     )
     config.addinivalue_line("markers", f"{GPU_MARKER}: needs a CUDA device; runs only with --precision-gpu")
@@ -426,8 +475,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 except OSError as error:
                     precision_session.errors.append(f"--precision-prune could not delete {path}: {error}")
         config.stash[STALE_KEY] = stale
+        if stale and not precision_session.prune and (precision_session.fail_stale or precision_session.strict):
+            precision_session.errors.append(
+                f"{len(stale)} stale baseline file(s) (listed above) and --precision-fail-stale or "
+                "--precision-strict: delete them with --precision-prune, or restore the tests that wrote them"
+            )
     try:
-        config.stash[REPORT_PATH_KEY] = precision_session.write_report()
+        config.stash[REPORT_PATH_KEY] = precision_session.write_report(config.stash.get(STALE_KEY, None))
     except OSError as error:
         config.stash[REPORT_PATH_KEY] = None
         precision_session.errors.append(f"precision report not written to {precision_session.report_dir}: {error}")

@@ -9,12 +9,13 @@ from typing import Any
 
 from .metrics import METRIC_NAMES, OPTIONAL_METRICS, TensorError
 
-#: Propagated kinds, then the isolated ones (see pytest_precision.isolated).
-KINDS = ("fw", "logprob", "loss", "bw", "grad", "fw_isolated", "bw_isolated", "grad_isolated")
+#: Propagated kinds, the parameters' cast ("weight_cast", compare(weight_cast=True): next to the gradients, one row
+#: per parameter), then the isolated ones (see pytest_precision.isolated).
+KINDS = ("fw", "logprob", "loss", "bw", "grad", "weight_cast", "fw_isolated", "bw_isolated", "grad_isolated")
 
 
 def kind_rank(kind: str) -> int:
-    """Display and gate order of kinds: forward rows, the loss, backward rows, parameter gradients."""
+    """Display and gate order of kinds: forward rows, the loss, backward rows, parameter gradients, weights."""
     return KINDS.index(kind) if kind in KINDS else len(KINDS)
 
 
@@ -46,6 +47,13 @@ class Record(TensorError):
     rms_e_b: float | None = None
     rms_e_diff: float | None = None
     rms_floor: float | None = None
+    # compare(range_stats=True) only, not on logprob and loss rows: metrics.RangeStats of the reference tensor
+    # in the variant's compute dtype (bw and grad rows at the variant's loss scale).
+    underflow_frac: float | None = None
+    zero_frac: float | None = None
+    overflow_frac: float | None = None
+    ref_absmax: float | None = None
+    dynamic_range_log2: float | None = None
     # compare(repeats > 1) only: run-to-run noise of rms_rel, see compare.
     spread: float | None = None
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -18,6 +17,7 @@ from .errors import BaselineError, ConfigurationError, PrecisionError
 if TYPE_CHECKING:
     from .references import Reference, ReferenceCache
     from .report import PrecisionReport
+    from .tolerance import Level, Tolerance
 
 #: ini / command-line option names.
 OPTION_BASELINE_DIR = "precision_baseline_dir"
@@ -27,6 +27,12 @@ OPTION_TABLES = "precision_tables"
 OPTION_STRICT = "precision_strict"
 OPTION_PRUNE = "precision_prune"
 OPTION_REPORT = "precision_report"
+OPTION_METRICS = "precision_metrics"
+OPTION_UPDATE_MODE = "precision_update_mode"
+OPTION_FAIL_STALE = "precision_fail_stale"
+#: What --update-baselines rewrites: every file whose numbers moved (all), only files whose test fails or
+#: that are missing (failing), only missing files (missing).
+UPDATE_MODES = ("all", "failing", "missing")
 #: dest of --precision-update and --update-baselines (not "update_baselines": a conftest or plugin that
 #: defines its own --update-baselines gets that dest by default, and must not switch this plugin's mode).
 OPTION_UPDATE = "precision_update"
@@ -81,20 +87,43 @@ def option(config: pytest.Config, name: str) -> Any:
     return config.getini(name) if value is None else value
 
 
-def _float_option(config: pytest.Config, name: str) -> float | None:
-    """A tolerance option (command line, else ini): a number >= 0 or inf (no bound); never NaN."""
+def _level_option(config: pytest.Config, name: str) -> Level:
+    """A tolerance option (command line, else ini): "0.2", "max_rel=0.5" or both ("0.2 max_rel=0.5"), each a
+    number >= 0 or inf (no bound), never NaN."""
     value = option(config, name)
     if value in (None, ""):
-        return None
+        return None, {}
+    from .tolerance import parsed_level
+
     try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise pytest.UsageError(f"{name} must be a number, got {value!r}") from None
-    if math.isnan(number):
-        raise pytest.UsageError(f"{name} is NaN; give a number >= 0 (inf means no bound)")
-    if number < 0:
-        raise pytest.UsageError(f"{name} must be >= 0, got {value!r}")
-    return number
+        return parsed_level(str(value), name)
+    except ConfigurationError as error:
+        raise pytest.UsageError(str(error)) from None
+
+
+def _metrics_option(config: pytest.Config) -> list[str] | None:
+    """--precision-metrics / ini precision_metrics: the gated metrics of calls that name none."""
+    value = option(config, OPTION_METRICS)
+    if value in (None, ""):
+        return None
+    from .tolerance import validated_metrics
+
+    try:
+        return validated_metrics(str(value).replace(",", " ").split())
+    except ConfigurationError as error:
+        raise pytest.UsageError(f"{OPTION_METRICS}: {error}") from None
+
+
+def _update_mode(config: pytest.Config) -> str:
+    given = config.getoption(OPTION_UPDATE_MODE)
+    if given is not None and not config.getoption(OPTION_UPDATE):
+        raise pytest.UsageError(
+            f"--precision-update-mode={given} chooses what {UPDATE_FLAGS[0]} rewrites; add {UPDATE_FLAGS[0]}"
+        )
+    mode = str(given or config.getini(OPTION_UPDATE_MODE) or "all").strip()
+    if mode not in UPDATE_MODES:
+        raise pytest.UsageError(f"{OPTION_UPDATE_MODE} must be one of {', '.join(UPDATE_MODES)}, got {mode!r}")
+    return mode
 
 
 def _report_dir(config: pytest.Config) -> Path | None:
@@ -142,8 +171,13 @@ class PrecisionSession:
     update: bool
     gpu: bool
     show_tables: bool
-    rtol: float | None
-    atol: float | None
+    #: The ini / command-line tolerances: (number or None, {metric: number}).
+    rtol: Level = field(default_factory=lambda: (None, {}))
+    atol: Level = field(default_factory=lambda: (None, {}))
+    #: The ini / command-line gated metrics (None: DEFAULT_METRICS).
+    metrics: list[str] | None = None
+    update_mode: str = "all"
+    fail_stale: bool = False
     strict: bool = False
     prune: bool = False
     report_dir: Path | None = None
@@ -182,8 +216,11 @@ class PrecisionSession:
             update=bool(config.getoption(OPTION_UPDATE)),
             gpu=bool(config.getoption("precision_gpu")),
             show_tables=_truthy(option(config, OPTION_TABLES)),
-            rtol=_float_option(config, OPTION_RTOL),
-            atol=_float_option(config, OPTION_ATOL),
+            rtol=_level_option(config, OPTION_RTOL),
+            atol=_level_option(config, OPTION_ATOL),
+            metrics=_metrics_option(config),
+            update_mode=_update_mode(config),
+            fail_stale=_truthy(option(config, OPTION_FAIL_STALE)),
             strict=_truthy(option(config, OPTION_STRICT)),
             prune=_truthy(option(config, OPTION_PRUNE)),
             report_dir=_report_dir(config),
@@ -229,10 +266,10 @@ class PrecisionSession:
         report: PrecisionReport,
         *,
         baseline: str | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
+        rtol: float | Mapping[str, float] | None = None,
+        atol: float | Mapping[str, float] | None = None,
         metrics: Iterable[str] | None = None,
-        tolerances: Mapping[str, Mapping[str, float]] | None = None,
+        tolerances: Mapping[str, Mapping[str, Any]] | None = None,
         limits: Mapping[str, Mapping[str, float]] | None = None,
     ) -> None:
         """Hold `report` against the test's baseline (or write it with --update-baselines) and its limits.
@@ -284,21 +321,21 @@ class PrecisionSession:
         item: pytest.Item,
         report: PrecisionReport,
         baseline: str | None,
-        rtol: float | None,
-        atol: float | None,
+        rtol: float | Mapping[str, float] | None,
+        atol: float | Mapping[str, float] | None,
         metrics: Iterable[str] | None,
-        tolerances: Mapping[str, Mapping[str, float]] | None,
+        tolerances: Mapping[str, Mapping[str, Any]] | None,
         limits: Mapping[str, Mapping[str, float]] | None,
     ) -> tuple[str, str | None]:
         """(outcome, failure message or None) of one check."""
         from . import baseline as baselines
         from . import messages
-        from .environment import device_key, environment
+        from .environment import device_key, environment, provenance
         from .tolerance import (
             DEFAULT_METRICS,
-            Tolerance,
             ToleranceRules,
             check_against_baseline,
+            check_carried,
             check_limits,
             undefined_metrics,
             validated_metrics,
@@ -336,21 +373,31 @@ class PrecisionSession:
                 "its own baseline='...' (test names that differ only in characters a file name cannot hold "
                 "sanitise to the same file)"
             )
+        base, base_metrics = self._base_tolerances(item)
         rules = ToleranceRules(
-            base=self._base_tolerance(item, Tolerance),
+            base=base,
             rtol=rtol,
             atol=atol,
             per_tensor={} if tolerances is None else tolerances,
+            base_metrics=base_metrics,
         )
-        gated_metrics = validated_metrics(metrics if metrics is not None else DEFAULT_METRICS)
+        gated_metrics = validated_metrics(metrics if metrics is not None else self.metrics or DEFAULT_METRICS)
+        ungated = sorted(rules.named_metrics() - set(gated_metrics))
+        if ungated:
+            raise ConfigurationError(
+                f"assert_precision_within: tolerances for {', '.join(ungated)}, which the gate does not check "
+                f"(it gates {', '.join(gated_metrics)}); add them to metrics=[...] or drop their tolerances"
+            )
         # What the gate used, so that summary.md lists the gate's own regressions (see summary.section_lines).
         self.tests[item.nodeid]["gate"] = {**rules.to_dict(), "metrics": gated_metrics}
         obtained = {v: report.records(v) for v in report.variants}
+        check_carried(obtained, gated_metrics)
         order = {(variant, r.name, r.kind): i for variant, rows in obtained.items() for i, r in enumerate(rows)}
         limit_violations = check_limits(obtained, {} if limits is None else limits)
         nodeid = self._cwd_nodeid(item)
         shown = self._shown(path)
-        if self.update:
+
+        def update() -> tuple[str, str | None]:
             nonfinite = [(v, r) for v, rows in obtained.items() for r in rows if r.nonfinite]
             if nonfinite:
                 return "failed", messages.nonfinite_message(nonfinite, shown)
@@ -360,15 +407,23 @@ class PrecisionSession:
             if limit_violations:
                 # Limits hold without a baseline: a run that breaks them is not written as the expectation.
                 return "failed", messages.limit_message(limit_violations, order) + f"\nNot written: {shown}"
-            where = environment(report.device, self._flags(report), report.distributed)
+            where = {**environment(report.device, self._flags(report), report.distributed), **provenance(self.rootpath)}
             document = baselines.document(report, item.nodeid, where)
             return self._write(path, document), None
+
+        if self.update and (self.update_mode == "all" or not path.exists()):
+            return update()
         if not path.exists():
             missing = messages.missing_baseline_message(shown, nodeid)
             if limit_violations:
                 missing += "\n" + messages.limit_message(limit_violations, order)
             return "missing", missing
-        loaded = baselines.load_baseline(path, messages.refresh_command(nodeid), shown=shown)
+        try:
+            loaded = baselines.load_baseline(path, messages.refresh_command(nodeid), shown=shown)
+        except PrecisionError:
+            if self.update and self.update_mode == "failing":
+                return update()  # a corrupt or old file fails its test: rewrite it
+            raise
         self._note_drift(shown, loaded.data.get("environment") or {}, report)
         result = check_against_baseline(loaded.records(), obtained, rules, gated_metrics)
         if result.worst_ratio is not None:
@@ -382,11 +437,14 @@ class PrecisionSession:
             )
         if limit_violations:
             parts.append(messages.limit_message(limit_violations, order))
-        if result.improvements:
-            if self.strict:
-                parts.append(messages.improvement_message(result.improvements, shown, nodeid, order))
-            else:
-                self.improvements[nodeid] = len({(v.variant, v.name, v.kind) for v in result.improvements})
+        if result.improvements and self.strict:
+            parts.append(messages.improvement_message(result.improvements, shown, nodeid, order))
+        if self.update and self.update_mode == "failing" and parts:
+            return update()  # the rewritten file holds this run's numbers: nothing improved against it
+        if result.improvements and not self.strict:
+            self.improvements[nodeid] = len({(v.variant, v.name, v.kind) for v in result.improvements})
+        if self.update and self.update_mode == "failing":
+            return "kept", None
         return ("failed", "\n".join(parts)) if parts else ("passed", None)
 
     def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> None:
@@ -429,10 +487,17 @@ class PrecisionSession:
             arguments.append("--precision-gpu")
         if self.strict:
             arguments.append("--precision-strict")
-        if self.rtol is not None:
-            arguments += ["--precision-rtol", repr(self.rtol)]
-        if self.atol is not None:
-            arguments += ["--precision-atol", repr(self.atol)]
+        from .tolerance import level_text
+
+        for flag, level in (("--precision-rtol", self.rtol), ("--precision-atol", self.atol)):
+            if level != (None, {}):
+                arguments += [flag, level_text(level)]
+        if self.metrics is not None:
+            arguments += ["--precision-metrics", ",".join(self.metrics)]
+        if self.update:
+            arguments += ["--precision-update-mode", self.update_mode]
+        if self.fail_stale:
+            arguments.append("--precision-fail-stale")
         return arguments
 
     def _write(self, path: Path, document: dict[str, Any]) -> str:
@@ -459,11 +524,13 @@ class PrecisionSession:
     def _flags(report: PrecisionReport) -> dict[str, Any]:
         return dict(report.reference.backend["settings"])
 
-    def _base_tolerance(self, item: pytest.Item, tolerance_type: Any) -> Any:
-        base = tolerance_type()
-        rtol = self.rtol if self.rtol is not None else base.rtol
-        atol = self.atol if self.atol is not None else base.atol
+    def _base_tolerances(self, item: pytest.Item) -> tuple[Tolerance, dict[str, dict[str, float]]]:
+        """The session levels merged: the default, under the ini / command line, under the test's marker.
+        (number for every metric, {metric: {"rtol": .., "atol": ..}})."""
+        from .tolerance import base_of_levels, checked_level, merged_levels
+
         marker = item.get_closest_marker("precision")
+        levels = {"rtol": self.rtol, "atol": self.atol}
         if marker is not None:
             unknown = sorted(set(marker.kwargs) - set(MARKER_KEYWORDS))
             if unknown or marker.args:
@@ -471,11 +538,10 @@ class PrecisionSession:
                     f"@pytest.mark.precision takes the keywords {', '.join(MARKER_KEYWORDS)} only, got "
                     f"{marker.args or unknown}"
                 )
-            from .tolerance import checked_number
-
-            rtol = checked_number(marker.kwargs.get("rtol", rtol), "@pytest.mark.precision(rtol=...)", minimum=0.0)
-            atol = checked_number(marker.kwargs.get("atol", atol), "@pytest.mark.precision(atol=...)", minimum=0.0)
-        return tolerance_type(rtol=float(rtol), atol=float(atol))
+            for quantity in levels:
+                given = checked_level(marker.kwargs.get(quantity), f"@pytest.mark.precision({quantity}=...)")
+                levels[quantity] = merged_levels(levels[quantity], given)
+        return base_of_levels(levels["rtol"], levels["atol"])
 
     def _test_file(self, item: pytest.Item) -> str:
         try:
@@ -501,7 +567,7 @@ class PrecisionSession:
 
     def summary_lines(self, stale: list[Path] | None = None) -> list[str]:
         """The terminal summary: outcome counts, then improvements, environment warnings and stale files."""
-        order = ("written", "updated", "unchanged", "passed", "failed", "missing")
+        order = ("written", "updated", "unchanged", "kept", "passed", "failed", "missing")
         parts = [f"{self.outcomes[k]} {k}" for k in order if self.outcomes[k]]
         lines = [f"precision note: {note}" for note in self.notes]
         if parts:
@@ -562,20 +628,31 @@ class PrecisionSession:
             for prefix in self.protected
         )
 
-    def write_report(self) -> Path | None:
-        """The session report: one JSON file with every precision test's outcome and records."""
+    def write_report(self, stale: list[Path] | None = None) -> Path | None:
+        """The session report: one JSON file with the session's environment (versions, device, ISA, GPU, CUDA,
+        commit, date), stale baseline files and environment drift, and every precision test's outcome and
+        records; summary.md and the plots beside it."""
         if self.report_dir is None:
             return None
         from .baseline import json_ready, write_atomically
+        from .environment import session_environment
 
         path = self.report_dir / "precision-report.json"
-        document = {"schema_version": 1, "baseline_dir": os.fspath(self.baseline_dir), "tests": self.tests}
+        document = {
+            "schema_version": 1,
+            "baseline_dir": os.fspath(self.baseline_dir),
+            "environment": session_environment(self.rootpath, self.device),
+            "stale": [os.fspath(self._shown(p)) for p in stale or []],
+            "drift": self.drift,
+            "tests": self.tests,
+        }
         write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")
-        self._write_summary_and_plots()
+        self._write_summary_and_plots(document)
         return path
 
-    def _write_summary_and_plots(self) -> None:
-        """DIR/summary.md (also appended to $GITHUB_STEP_SUMMARY) and, with matplotlib, one PNG per test."""
+    def _write_summary_and_plots(self, document: Mapping[str, Any]) -> None:
+        """DIR/summary.md (also appended to $GITHUB_STEP_SUMMARY) and, with matplotlib, one PNG per test,
+        linked from the test's section of summary.md."""
         from .baseline import load_baseline
         from .plots import matplotlib_available, plot_error_vs_depth, plot_path
         from .summary import markdown_summary, report_from_entry, write_summary
@@ -587,18 +664,24 @@ class PrecisionSession:
                 baselines[nodeid] = load_baseline(Path(entry["baseline"]), "").records()
             except (PrecisionError, KeyError):
                 continue  # missing or unreadable: the test itself reports it
-        write_summary(self.report_dir, markdown_summary(self.tests, baselines))
         self.plots_skipped = not matplotlib_available()
-        if self.plots_skipped:
-            return
-        for nodeid, entry in self.tests.items():
-            if "variants" in entry and "reference" in entry:
-                plot_error_vs_depth(
-                    report_from_entry(entry),
-                    plot_path(self.report_dir, nodeid),
-                    baseline=baselines.get(nodeid),
-                    title=nodeid,
-                )
+        plotted = (
+            [] if self.plots_skipped else [n for n, e in self.tests.items() if "variants" in e and "reference" in e]
+        )
+        plots = {nodeid: plot_path(self.report_dir, nodeid) for nodeid in plotted}
+        text = markdown_summary(
+            self.tests,
+            baselines,
+            environment=document["environment"],
+            plots={nodeid: path.relative_to(self.report_dir).as_posix() for nodeid, path in plots.items()},
+            stale=document["stale"],
+            drift=self.drift,
+        )
+        write_summary(self.report_dir, text)
+        for nodeid, plot in plots.items():
+            plot_error_vs_depth(
+                report_from_entry(self.tests[nodeid]), plot, baseline=baselines.get(nodeid), title=nodeid
+            )
 
 
 SESSION_KEY = pytest.StashKey[PrecisionSession]()

@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from .baseline import write_atomically
 from .report import PrecisionReport, Record
@@ -166,9 +167,11 @@ def section_lines(
     *,
     rules: ToleranceRules | None = None,
     metrics: Iterable[str] = DEFAULT_METRICS,
+    plot: str | None = None,
 ) -> list[str]:
     """The markdown lines of one test. The tolerances and gated metrics its gate used (the entry's "gate",
-    see ToleranceRules.to_dict) replace `rules` and `metrics` when the entry has them."""
+    see ToleranceRules.to_dict) replace `rules` and `metrics` when the entry has them. `plot`: the link to the
+    test's error-vs-depth plot, relative to summary.md."""
     gate = entry.get("gate")
     if isinstance(gate, Mapping):
         rules = ToleranceRules.from_dict(gate)
@@ -181,6 +184,8 @@ def section_lines(
     if not entry.get("variants"):
         lines += ["No precision records.", ""]
         return lines
+    if plot is not None:
+        lines += [f"Plot: [{plot}]({quote(plot)}).", ""]
     report = report_from_entry(entry)
     reference = report.reference.variant.get("name", "fp32")
     if report.nonfinite_origin:
@@ -205,12 +210,18 @@ def markdown_summary(
     rules: ToleranceRules | None = None,
     metrics: Iterable[str] = DEFAULT_METRICS,
     title: str = "Precision report",
+    environment: Mapping[str, Any] | None = None,
+    plots: Mapping[str, str] | None = None,
+    stale: Sequence[str] = (),
+    drift: Mapping[str, Sequence[str]] | None = None,
 ) -> str:
     """The whole summary: a title line with the outcome counts, then one section per test.
 
     `tests` is the "tests" block of precision-report.json; `baselines` maps a nodeid to its baseline's
     records per variant (Baseline.records()). Each test is held against its baseline with the tolerances
     and metrics its gate used (its entry's "gate"); `rules` and `metrics` serve entries without one.
+    `environment`: the session's (a line under the title); `plots`: {nodeid: link to its plot}; `stale`:
+    baseline files no test used; `drift`: {baseline file: environment differences}.
     """
     baselines = baselines or {}
     metrics = list(metrics)
@@ -220,9 +231,38 @@ def markdown_summary(
         counts[outcome] = counts.get(outcome, 0) + 1
     tally = ", ".join(f"{n} {outcome}" for outcome, n in sorted(counts.items())) or "no tests"
     lines = [f"## {title}", "", f"{len(tests)} test(s): {tally}.", ""]
+    if environment:
+        lines += [f"Measured on: {environment_line(environment)}.", ""]
+    if drift:
+        lines += ["### Environment differs from the baselines (numbers may move)", ""]
+        lines += [f"- {_code(path)}: {'; '.join(differences)}" for path, differences in sorted(drift.items())]
+        lines.append("")
     for nodeid, entry in tests.items():
-        lines += section_lines(nodeid, entry, baselines.get(nodeid), rules=rules, metrics=metrics)
+        plot = (plots or {}).get(nodeid)
+        lines += section_lines(nodeid, entry, baselines.get(nodeid), rules=rules, metrics=metrics, plot=plot)
+    if stale:
+        lines += [f"### Stale baselines: {len(stale)} file(s) no test used", ""]
+        lines += [f"- {_code(path)}" for path in stale]
+        lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def environment_line(environment: Mapping[str, Any]) -> str:
+    """One line of what a session ran on: versions, device, ISA, GPU stack, commit and date."""
+    commit = environment.get("commit")
+    parts = [
+        f"pytest-precision {environment.get('pytest_precision')}",
+        f"torch {environment.get('torch')}",
+        str(environment.get("device")),
+        f"CPU ISA {environment.get('cpu_capability')}",
+    ]
+    if environment.get("cuda"):
+        parts.append(f"CUDA {environment['cuda']}, cuDNN {environment.get('cudnn')}")
+    if commit:
+        parts.append(f"commit {str(commit)[:12]}{' (dirty)' if environment.get('dirty') else ''}")
+    if environment.get("date"):
+        parts.append(str(environment["date"]))
+    return ", ".join(parts)
 
 
 def write_summary(directory: Path, text: str) -> Path:

@@ -1,5 +1,6 @@
 """Text tables of a report: the error-propagation summary (first -> mid median -> mid max -> last) per kind
-with one row per variant, then every tensor of every variant.
+with one row per variant, parameter gradients and weight casts by category, then every tensor of every
+variant (with range-statistics columns when the report has them, compare(range_stats=True)).
 
 Relative errors print in percent; a column's decimals adapt so that its smallest non-zero value still
 shows two significant digits.
@@ -118,8 +119,35 @@ def summary_table(report: PrecisionReport, kind: str, metric: str = "rms_rel") -
     return render(header, rows)
 
 
+#: Range-statistics columns of the per-tensor table: (header, metric), fractions in percent.
+RANGE_COLUMNS = (
+    ("underflow", "underflow_frac"),
+    ("zero", "zero_frac"),
+    ("overflow", "overflow_frac"),
+    ("absmax", "ref_absmax"),
+    ("range_log2", "dynamic_range_log2"),
+)
+
+
+def _range_cells(records: Sequence[Record]) -> tuple[list[str], list[list[str]]]:
+    """The range-statistics header and cells per record; none when no record carries them."""
+    if not any(r.metric(metric) is not None for r in records for _, metric in RANGE_COLUMNS):
+        return [], [[] for _ in records]
+    fractions = {m: percent_column([r.metric(m) for r in records]) for _, m in RANGE_COLUMNS[:3]}
+    cells = [
+        [
+            *(fractions[m][i] for _, m in RANGE_COLUMNS[:3]),
+            _plain(r.ref_absmax, ".3g"),
+            _plain(r.dynamic_range_log2, ".1f"),
+        ]
+        for i, r in enumerate(records)
+    ]
+    return [header for header, _ in RANGE_COLUMNS], cells
+
+
 def tensor_table(records: Sequence[Record]) -> list[str]:
-    """Every record of one variant, grouped by kind, with the main metrics."""
+    """Every record of one variant, grouped by kind, with the main metrics (and the range statistics of the
+    reference in the variant's dtype, when the records carry them)."""
     header = [
         "tensor",
         "kind",
@@ -134,6 +162,8 @@ def tensor_table(records: Sequence[Record]) -> list[str]:
     ]
     rel = {m: percent_column([r.metric(m) for r in records]) for m in ("rms_rel", "max_rel", "bias_rel")}
     residual = percent_column([r.metric("residual_rms_rel") for r in records])
+    range_header, range_cells = _range_cells(records)
+    header += range_header
     rows = [
         [
             r.name,
@@ -146,6 +176,7 @@ def tensor_table(records: Sequence[Record]) -> list[str]:
             _plain(r.slope, ".5f"),
             _plain(r.sqnr_db, ".1f"),
             str(r.nonfinite),
+            *range_cells[i],
         ]
         for i, r in enumerate(records)
     ]
@@ -157,21 +188,23 @@ def _median_and_max(values: Sequence[float | None]) -> tuple[float | None, float
     return (statistics.median(finite), max(finite)) if finite else (None, None)
 
 
-def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel") -> list[str]:
-    """Parameter gradients by category: the LM head (n/a when tied to the embedding), linear weights and
-    norm weights (median and max), biases when the model has any, and the embedding."""
+def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel", kind: str = "grad") -> list[str]:
+    """Parameter gradients (or, with kind "weight_cast", the parameters' casts) by category: the LM head (n/a when
+    tied to the embedding), linear weights and norm weights (median and max), biases when the model has any,
+    and the embedding; gradients with each variant's loss scale."""
     categories = report.reference.parameter_categories
-    if not categories or not any(report.records(v, "grad") for v in report.variants):
+    if not categories or not any(report.records(v, kind) for v in report.variants):
         return []
+    gradients = kind == "grad"
     has_bias = "bias" in categories.values()
-    header = ["grad", "lm_head", "linear med", "linear max", "norm med", "norm max"]
+    header = [kind, "lm_head", "linear med", "linear max", "norm med", "norm max"]
     header += ["bias med", "bias max"] if has_bias else []
-    header += ["embedding", "loss scale"]
-    columns: list[list[float | None]] = [[] for _ in header[1:-1]]
-    variants = [v for v in report.variants if not report.runs[v].variant.get("arrangement")]
+    header += ["embedding", "loss scale"] if gradients else ["embedding"]
+    columns: list[list[float | None]] = [[] for _ in header[1 : -1 if gradients else None]]
+    variants = [v for v in report.variants if report.records(v, kind)]
     for variant in variants:
         by_category: dict[str, list[float | None]] = {}
-        for record in report.records(variant, "grad"):
+        for record in report.records(variant, kind):
             by_category.setdefault(categories.get(record.name, "other"), []).append(record.metric(metric))
         head = by_category.get("lm_head", [None])
         cells = [head[0] if head else None]
@@ -186,8 +219,11 @@ def gradient_category_table(report: PrecisionReport, metric: str = "rms_rel") ->
         formatted[0] = ["n/a (tied)"] * len(variants)
     rows = []
     for i, variant in enumerate(variants):
-        scale = report.runs[variant].loss_scale
-        rows.append([variant, *(column[i] for column in formatted), "-" if scale is None else f"{scale:g}"])
+        row = [variant, *(column[i] for column in formatted)]
+        if gradients:
+            scale = report.runs[variant].loss_scale
+            row.append("-" if scale is None else f"{scale:g}")
+        rows.append(row)
     return render(header, rows)
 
 
@@ -258,7 +294,12 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         table = summary_table(report, kind, metric)
         if table:
             lines += ["", *table]
-    for table in (gradient_category_table(report, metric), logprob_table(report), decomposition_table(report)):
+    for table in (
+        gradient_category_table(report, metric),
+        gradient_category_table(report, metric, kind="weight_cast"),
+        logprob_table(report),
+        decomposition_table(report),
+    ):
         if table:
             lines += ["", *table]
     with_loss = [v for v in report.variants if any(r.kind == "loss" for r in report.records(v))]

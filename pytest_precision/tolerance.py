@@ -178,79 +178,254 @@ def _matches(key: str, record_name: str, kind: str) -> bool:
     return key == kind or re.search(key, record_name) is not None
 
 
+#: The two quantities of a tolerance.
+QUANTITIES = ("rtol", "atol")
+#: Tolerances given per metric: {metric: value} for one quantity (rtol or atol).
+PerMetric = Mapping[str, float]
+
+
+def _checked_metric(metric: object, setting: str) -> str:
+    """A metric a tolerance may name: a gateable metric other than nonfinite (which takes no tolerance)."""
+    if metric == "nonfinite":
+        raise ConfigurationError(f"{setting}: nonfinite takes no tolerance (any rise above the baseline fails)")
+    if not isinstance(metric, str) or metric not in METRIC_DIRECTIONS or metric in DESCRIPTIVE_METRICS:
+        gateable = sorted(set(METRIC_DIRECTIONS) - DESCRIPTIVE_METRICS - {"nonfinite"})
+        raise ConfigurationError(
+            f"{setting}: unknown metric {metric!r}; metrics with a tolerance: {', '.join(gateable)}"
+        )
+    return metric
+
+
+def checked_level(value: object, setting: str) -> float | dict[str, float] | None:
+    """One level's rtol or atol: None (not given), a number >= 0 for every metric, or {metric: number}."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        return {
+            _checked_metric(metric, setting): checked_number(bound, f"{setting}[{metric!r}]", minimum=0.0)
+            for metric, bound in value.items()
+        }
+    return checked_number(value, setting, minimum=0.0)
+
+
+def _level_value(level: float | Mapping[str, float] | None, metric: str | None) -> float | None:
+    """The value a level gives `metric`: its number, or its entry for the metric (None: not given)."""
+    if level is None:
+        return None
+    if not isinstance(level, Mapping):
+        return float(level)
+    return None if metric is None else level.get(metric)
+
+
+#: A session level's rtol or atol: (a number for every metric or None, {metric: number}).
+Level = tuple[float | None, dict[str, float]]
+
+
+def merged_levels(lower: Level, higher: float | Mapping[str, float] | None) -> Level:
+    """A level laid over a lower one: a number at the higher level replaces the lower level entirely (its
+    per-metric entries too); per-metric entries of the higher level replace the lower's for those metrics."""
+    if higher is None:
+        return lower
+    if isinstance(higher, Mapping):
+        return lower[0], {**lower[1], **higher}
+    return float(higher), {}
+
+
+def parsed_level(text: str, setting: str) -> Level:
+    """An ini or command-line rtol/atol: "0.2", "max_rel=0.5", or both ("0.2, max_rel=0.5 sqnr_db=0.01"),
+    separated by commas or spaces."""
+    number: float | None = None
+    per_metric: dict[str, float] = {}
+    for part in text.replace(",", " ").split():
+        metric, equals, value = part.rpartition("=")
+        if equals:
+            metric = _checked_metric(metric.strip(), setting)
+        try:
+            parsed = float(value)
+        except ValueError:
+            raise ConfigurationError(f"{setting} must be a number, got {text!r}") from None
+        if math.isnan(parsed):
+            raise ConfigurationError(f"{setting} is NaN; give a number >= 0 (inf means no bound)")
+        if parsed < 0:
+            raise ConfigurationError(f"{setting} must be >= 0, got {text!r}")
+        if equals:
+            per_metric[metric] = parsed
+        else:
+            number = parsed
+    return number, per_metric
+
+
+def base_of_levels(rtol: Level, atol: Level) -> tuple[Tolerance, dict[str, dict[str, float]]]:
+    """A ToleranceRules' `base` and `base_metrics` from merged rtol and atol levels (default where no number)."""
+    default = Tolerance()
+    base = Tolerance(
+        rtol=default.rtol if rtol[0] is None else rtol[0], atol=default.atol if atol[0] is None else atol[0]
+    )
+    per_metric: dict[str, dict[str, float]] = {}
+    for quantity, (_, values) in (("rtol", rtol), ("atol", atol)):
+        for metric, value in values.items():
+            per_metric.setdefault(metric, {})[quantity] = value
+    return base, per_metric
+
+
+def level_text(level: Level) -> str:
+    """The option text `parsed_level` reads back as `level`."""
+    parts = [] if level[0] is None else [repr(level[0])]
+    return " ".join(parts + [f"{metric}={value!r}" for metric, value in level[1].items()])
+
+
 @dataclass(frozen=True)
 class ToleranceRules:
-    """Tolerance precedence: call kwargs > per-tensor regexes > marker > ini > default (the `base`).
+    """The tolerance of each (tensor, metric), from the first of these that gives one, rtol and atol apart:
 
-    Per-tensor keys are tried in order; the first that matches a tensor (its kind, or a regex found in its
-    name) gives its rtol/atol, and later keys are not consulted for that tensor.
+      1. the call's `rtol=` / `atol=` (a number: every metric; a dict: the metrics it names);
+      2. `tolerances=`: the first tensor key that matches (a kind, or a regex found in the tensor's name),
+         its entry for the metric ({"max_rel": {"rtol": 0.5}}), then its own "rtol" / "atol";
+      3. `tolerances=`, a key that is a metric name ({"max_rel": {"rtol": 0.5}}): that metric on every tensor;
+      4. the session's per-metric values (`base_metrics`: ini / command line, then the marker);
+      5. the session's number (`base`: ini / command line, then the marker, then the default).
+
+    Per-tensor keys are tried in order; the first that matches a tensor is its entry, and later tensor keys
+    are not consulted for it. A key equal to a metric name is a metric key, never a regex.
     """
 
     base: Tolerance = Tolerance()
-    rtol: float | None = None
-    atol: float | None = None
-    per_tensor: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    rtol: float | Mapping[str, float] | None = None
+    atol: float | Mapping[str, float] | None = None
+    per_tensor: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: {metric: {"rtol": .., "atol": ..}} of the session levels (ini, command line, marker), already merged.
+    base_metrics: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("rtol", "atol"):
-            if getattr(self, name) is not None:
-                checked_number(getattr(self, name), f"assert_precision_within({name}=...)", minimum=0.0)
+        for name in QUANTITIES:
+            checked_level(getattr(self, name), f"assert_precision_within({name}=...)")
         if not isinstance(self.per_tensor, Mapping):
             raise ConfigurationError(
-                f"tolerances must be a dict {{tensor regex or kind: {{'rtol': .., 'atol': ..}}}}, got "
+                f"tolerances must be a dict {{tensor regex, kind or metric: {{'rtol': .., 'atol': ..}}}}, got "
                 f"{type(self.per_tensor).__name__}"
             )
         for key, values in self.per_tensor.items():
             _check_key(key, "tolerances")
             if not isinstance(values, Mapping):
                 raise ConfigurationError(f"tolerances[{key!r}] must be a dict like {{'rtol': 0.2}}, got {values!r}")
-            unknown = sorted(str(k) for k in set(values) - {"rtol", "atol"})
-            if unknown:
-                raise ConfigurationError(
-                    f"tolerances[{key!r}]: unknown key(s) {', '.join(unknown)}; use 'rtol' and/or 'atol'"
-                )
+            nested = key not in METRIC_DIRECTIONS  # a tensor key may hold per-metric entries
             for name, value in values.items():
-                checked_number(value, f"tolerances[{key!r}][{name!r}]", minimum=0.0)
+                setting = f"tolerances[{key!r}][{name!r}]"
+                if name in QUANTITIES:
+                    checked_number(value, setting, minimum=0.0)
+                elif nested and isinstance(name, str) and name in METRIC_DIRECTIONS:
+                    _checked_metric(name, setting)
+                    _check_quantities(value, setting)
+                else:
+                    also = ", or metric names with their own {'rtol': ..}" if nested else ""
+                    raise ConfigurationError(
+                        f"tolerances[{key!r}]: unknown key {name!r}; use 'rtol' and/or 'atol'{also}"
+                    )
+            if not nested:
+                _checked_metric(key, f"tolerances[{key!r}]")
+        for metric, values in self.base_metrics.items():
+            _checked_metric(metric, "per-metric tolerance")
+            _check_quantities(values, f"per-metric tolerance {metric!r}")
+
+    def for_metric(self, name: str, kind: str, metric: str | None) -> Tolerance:
+        """The tolerance of `metric` on tensor `name` of `kind` (metric None: the tensor's own, for every
+        metric without an entry of its own)."""
+        entry: Mapping[str, Any] = {}
+        for key, values in self.per_tensor.items():
+            if key not in METRIC_DIRECTIONS and _matches(key, name, kind):
+                entry = values
+                break
+        by_metric: Mapping[str, Any] = {} if metric is None else self.per_tensor.get(metric, {})
+        found = []
+        for quantity in QUANTITIES:
+            candidates = (
+                _level_value(getattr(self, quantity), metric),
+                (entry.get(metric) or {}).get(quantity) if metric is not None else None,
+                entry.get(quantity),
+                by_metric.get(quantity),
+                (self.base_metrics.get(metric) or {}).get(quantity) if metric is not None else None,
+                getattr(self.base, quantity),
+            )
+            found.append(next(float(value) for value in candidates if value is not None))
+        return Tolerance(rtol=found[0], atol=found[1])
 
     def for_tensor(self, name: str, kind: str) -> Tolerance:
-        rtol, atol = self.base.rtol, self.base.atol
+        """The tensor's tolerance for metrics that no entry names."""
+        return self.for_metric(name, kind, None)
+
+    def named_metrics(self) -> set[str]:
+        """The metrics the call's own tolerances name (rtol / atol dicts, `tolerances=` metric keys and
+        entries): a tolerance for a metric the gate does not check is a mistake worth an error."""
+        named = {m for level in (self.rtol, self.atol) if isinstance(level, Mapping) for m in level}
         for key, values in self.per_tensor.items():
-            if _matches(key, name, kind):
-                rtol = values.get("rtol", rtol)
-                atol = values.get("atol", atol)
-                break
-        return Tolerance(
-            rtol=self.rtol if self.rtol is not None else rtol,
-            atol=self.atol if self.atol is not None else atol,
-        )
+            if key in METRIC_DIRECTIONS:
+                named.add(key)
+            named.update(name for name in values if name not in QUANTITIES)
+        return named
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (infinities as floats; json_ready writes them as "inf"); per-tensor keys as an ordered
         list of pairs, so that first-match order survives sorted JSON."""
         return {
             "base": {"rtol": float(self.base.rtol), "atol": float(self.base.atol)},
-            "rtol": None if self.rtol is None else float(self.rtol),
-            "atol": None if self.atol is None else float(self.atol),
-            "tolerances": [[key, {k: float(v) for k, v in values.items()}] for key, values in self.per_tensor.items()],
+            "base_metrics": {m: {q: float(v) for q, v in values.items()} for m, values in self.base_metrics.items()},
+            "rtol": _level_json(self.rtol),
+            "atol": _level_json(self.atol),
+            "tolerances": [[key, _entry_json(values)] for key, values in self.per_tensor.items()],
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToleranceRules:
-        """The rules `to_dict` wrote (also after json_ready: "inf" / "-inf" strings are read back)."""
+        """The rules `to_dict` wrote (also after json_ready: "inf" / "-inf" strings are read back; also the
+        files of versions without per-metric tolerances)."""
         from .baseline import restored_float
+
+        def level(value: Any) -> float | dict[str, float] | None:
+            if value is None:
+                return None
+            if isinstance(value, Mapping):
+                return {str(m): restored_float(v) for m, v in value.items()}
+            return float(restored_float(value))
+
+        def entry(values: Mapping[str, Any]) -> dict[str, Any]:
+            return {
+                str(k): {q: restored_float(x) for q, x in v.items()} if isinstance(v, Mapping) else restored_float(v)
+                for k, v in values.items()
+            }
 
         base = data.get("base") or {}
         return cls(
             base=Tolerance(
                 rtol=restored_float(base.get("rtol", DEFAULT_RTOL)), atol=restored_float(base.get("atol", DEFAULT_ATOL))
             ),
-            rtol=None if data.get("rtol") is None else restored_float(data["rtol"]),
-            atol=None if data.get("atol") is None else restored_float(data["atol"]),
-            per_tensor={
-                str(key): {k: restored_float(v) for k, v in values.items()}
-                for key, values in data.get("tolerances") or []
-            },
+            rtol=level(data.get("rtol")),
+            atol=level(data.get("atol")),
+            per_tensor={str(key): entry(values) for key, values in data.get("tolerances") or []},
+            base_metrics={str(m): entry(values) for m, values in (data.get("base_metrics") or {}).items()},
         )
+
+
+def _check_quantities(values: object, setting: str) -> None:
+    """A {"rtol": .., "atol": ..} dict (either key may be absent), each a number >= 0."""
+    if not isinstance(values, Mapping) or not values:
+        raise ConfigurationError(f"{setting} must be a dict like {{'rtol': 0.2}}, got {values!r}")
+    unknown = sorted(str(k) for k in set(values) - set(QUANTITIES))
+    if unknown:
+        raise ConfigurationError(f"{setting}: unknown key(s) {', '.join(unknown)}; use 'rtol' and/or 'atol'")
+    for quantity, value in values.items():
+        checked_number(value, f"{setting}[{quantity!r}]", minimum=0.0)
+
+
+def _level_json(level: float | Mapping[str, float] | None) -> float | dict[str, float] | None:
+    if level is None:
+        return None
+    if isinstance(level, Mapping):
+        return {m: float(v) for m, v in level.items()}
+    return float(level)
+
+
+def _entry_json(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: {q: float(x) for q, x in v.items()} if isinstance(v, Mapping) else float(v) for k, v in values.items()}
 
 
 def _check_key(key: object, argument: str) -> None:
@@ -339,7 +514,7 @@ class _Tally:
 
 
 def _check_tensor(
-    variant: str, before: Record, record: Record, tolerance: Tolerance, metrics: Sequence[str], tally: _Tally
+    variant: str, before: Record, record: Record, rules: ToleranceRules, metrics: Sequence[str], tally: _Tally
 ) -> None:
     """Hold one tensor of the run against its baseline record; add what is wrong or better to `tally`."""
     if record.nonfinite > before.nonfinite:
@@ -365,6 +540,7 @@ def _check_tensor(
             tally.violations.append(undefined)
         if old is None or new is None:
             continue
+        tolerance = rules.for_metric(record.name, record.kind, metric)
         allowed = allowed_value(metric, old, tolerance, spread)
         found = Violation(variant, record.name, record.kind, "regressed", metric, old, new, allowed)
         if found.ratio is not None and math.isfinite(found.ratio):
@@ -402,8 +578,7 @@ def check_against_baseline(
                 tally.violations.append(Violation(variant, record.name, record.kind, "new"))
                 continue
             gated += 1
-            tolerance = rules.for_tensor(record.name, record.kind)
-            _check_tensor(variant, before, record, tolerance, gated_metrics, tally)
+            _check_tensor(variant, before, record, rules, gated_metrics, tally)
         tally.violations += [
             Violation(variant, name, kind, "missing") for (name, kind) in baseline_rows if (name, kind) not in seen
         ]
@@ -453,12 +628,12 @@ def check_limits(obtained: Mapping[str, Sequence[Record]], limits: object) -> li
     """
     violations: list[Violation] = []
     for key, bounds in validated_limits(limits).items():
-        matched = False
+        matched: list[Record] = []
         for variant, records in obtained.items():
             for record in records:
                 if not _matches(key, record.name, record.kind):
                     continue
-                matched = True
+                matched.append(record)
                 for metric, bound in bounds.items():
                     value = defined_value(record, metric)
                     if value is None and undefined_by_reference(record, metric):
@@ -472,4 +647,27 @@ def check_limits(obtained: Mapping[str, Sequence[Record]], limits: object) -> li
                 f"limits: {key!r} matches no tensor name or kind of this report (kinds: {', '.join(KINDS)}; "
                 "names are matched with re.search)"
             )
+        for metric in uncarried_metrics(matched, bounds):
+            raise ConfigurationError(f"limits[{key!r}][{metric!r}]: {_not_carried(metric)}")
     return violations
+
+
+def uncarried_metrics(records: Iterable[Record], metrics: Iterable[str]) -> list[str]:
+    """The optional metrics (log-probability, range statistics) that none of `records` carries: a gate or
+    limit on them would check nothing and pass."""
+    present = list(records)
+    return [m for m in metrics if m in OPTIONAL_METRICS and all(r.metric(m) is None for r in present)]
+
+
+def _not_carried(metric: str) -> str:
+    from .metrics import RANGE_METRICS
+
+    if metric in RANGE_METRICS:
+        return "no tensor it applies to carries it: range statistics need compare(..., range_stats=True)"
+    return "no tensor it applies to carries it (log-probability metrics are on logprob rows of causal LMs only)"
+
+
+def check_carried(obtained: Mapping[str, Sequence[Record]], metrics: Iterable[str]) -> None:
+    """A ConfigurationError when a gated metric is carried by no record of the run (see uncarried_metrics)."""
+    for metric in uncarried_metrics((r for rows in obtained.values() for r in rows), metrics):
+        raise ConfigurationError(f"metrics: {metric!r} is gated, but {_not_carried(metric)}")

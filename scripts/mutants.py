@@ -105,6 +105,11 @@ MODULE_TESTS: dict[str, tuple[str, ...]] = {
         "tests/unit/test_cli_untrusted.py",
     ),
     "cli.py": ("tests/unit/test_cli.py", "tests/unit/test_cli_untrusted.py"),
+    "baseline_diff.py": (
+        "tests/unit/test_cli_diff_tree.py",
+        "tests/unit/test_cli.py",
+        "tests/unit/test_cli_untrusted.py",
+    ),
 }
 
 
@@ -318,9 +323,10 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "comparison.py",
-        "_Pending(name, kind, tuple(tensor.shape), reference.numel(), reference_values, values, log_ratio)",
-        "_Pending(name, kind, tuple(tensor.shape), tensor.numel(), reference_values, values, log_ratio)",
+        "                reference.numel(),\n                reference_values,",
+        "                tensor.numel(),\n                reference_values,",
         "count over the padded positions too",
+        "tests/unit/test_compare.py",
     ),
     _m(
         "comparison.py",
@@ -644,13 +650,13 @@ MUTANTS: list[Mutant] = [
     ),
     # cli.py and cross_engine.py: diff rules, untrusted files
     _m(
-        "cli.py",
+        "baseline_diff.py",
         'lines = [f"dropped variant {variant}" for variant in old.variants if variant not in new.variants]',
         "lines: list[str] = []",
         "diff passes when NEW drops a variant",
     ),
     _m(
-        "cli.py",
+        "baseline_diff.py",
         "            if record.nonfinite > previous.nonfinite:",
         "            if record.nonfinite > previous.nonfinite + 1:",
         "diff tolerates one more non-finite value",
@@ -845,5 +851,127 @@ MUTANTS: list[Mutant] = [
         "an arrangement variant reports its (never computed) backward rows as missing",
         "tests/unit/test_arrangements.py",
         "tests/unit/test_compare.py",
+    ),
+    # 14: diff of folders and git refs; tolerances per metric; update modes; stale files
+    _m(
+        "baseline_diff.py",
+        "            side.add(path.relative_to(root).as_posix(), path)",
+        "            side.add(path.name, path)",
+        "folders pair baselines by file name instead of relative path",
+        "tests/unit/test_cli_diff_tree.py",
+    ),
+    _m(
+        "baseline_diff.py",
+        "    return 1 if failed or removed else 0",
+        "    return 1 if failed else 0",
+        "a removed baseline (a dropped gate) does not fail",
+        "tests/unit/test_cli_diff_tree.py",
+    ),
+    _m(
+        "baseline_diff.py",
+        "            files.append((name[len(prefix) :] if name.startswith(prefix) else Path(name).name, name, blob))",
+        "            files.append((name, name, blob))",
+        "--against keeps ls-tree's repository paths, so nothing pairs with PATH's files",
+        "tests/unit/test_cli_diff_tree.py",
+    ),
+    _m(
+        "tolerance.py",
+        "        tolerance = rules.for_metric(record.name, record.kind, metric)",
+        "        tolerance = rules.for_tensor(record.name, record.kind)",
+        "per-metric tolerances are ignored by the gate",
+        "tests/unit/test_metric_tolerances.py",
+    ),
+    _m(
+        "tolerance.py",
+        "                (entry.get(metric) or {}).get(quantity) if metric is not None else None,\n                entry.get(quantity),",
+        "                entry.get(quantity),\n                (entry.get(metric) or {}).get(quantity) if metric is not None else None,",
+        "a tensor entry's own number beats its per-metric entry",
+        "tests/unit/test_metric_tolerances.py",
+    ),
+    _m(
+        "tolerance.py",
+        "    return float(higher), {}",
+        "    return float(higher), dict(lower[1])",
+        "a marker's number leaves the ini's per-metric values in force",
+        "tests/unit/test_metric_tolerances.py",
+    ),
+    _m(
+        "session.py",
+        '        if self.update and self.update_mode == "failing" and parts:',
+        '        if self.update and self.update_mode == "failing":',
+        "--precision-update-mode=failing rewrites files within tolerance too",
+        "tests/plugin/test_plugin_review_workflow.py",
+    ),
+    _m(
+        "plugin.py",
+        "        if stale and not precision_session.prune and (precision_session.fail_stale or precision_session.strict):",
+        "        if stale and not precision_session.prune and precision_session.fail_stale:",
+        "--precision-strict does not fail on stale baselines",
+        "tests/plugin/test_plugin_review_workflow.py",
+    ),
+    _m(
+        "session.py",
+        "        ungated = sorted(rules.named_metrics() - set(gated_metrics))",
+        "        ungated: list[str] = []",
+        "a tolerance for a metric nobody gates passes silently",
+        "tests/plugin/test_plugin_review_workflow.py",
+    ),
+    # 14: range statistics and weight-cast rows
+    _m(
+        "metrics.py",
+        "torch.count_nonzero(magnitude < tiny),",
+        "torch.count_nonzero(magnitude <= tiny),",
+        "the tie at the underflow threshold, which rounds up to a normal, counted as underflow",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "metrics.py",
+        "return (info.tiny - half_subnormal) / scale, half_subnormal / scale, overflow / scale",
+        "return info.tiny / scale, half_subnormal / scale, overflow / scale",
+        "values that round up to tiny counted as underflow",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "metrics.py",
+        "below_tiny - zeros - nonfinite,",
+        "below_tiny - nonfinite,",
+        "exact zeros counted as underflow",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "comparison.py",
+        "range_values = range_sums(reference, self.range_dtype, scale=scale)",
+        "range_values = range_sums(reference, self.range_dtype)",
+        "range statistics of gradients ignore the fp16 loss scale",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "comparison.py",
+        "return torch_dtype(variant.param_dtype or variant.dtype)",
+        "return torch_dtype(variant.param_dtype or variant.weight_dtype)",
+        "autocast variants counted in their fp32 weight dtype",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "comparison.py",
+        "for parameter_name, parameter in model.named_parameters():  # tied ones once",
+        "for parameter_name, parameter in model.named_parameters(remove_duplicate=False):",
+        "a tied weight measured twice",
+        "tests/unit/test_weight_cast.py",
+    ),
+    _m(
+        "comparison.py",
+        "if self.range_dtype is not None and kind not in NO_RANGE_KINDS:",
+        "if self.range_dtype is not None:",
+        "logprob and loss rows get range statistics",
+        "tests/unit/test_range_stats.py",
+    ),
+    _m(
+        "tolerance.py",
+        "    return [m for m in metrics if m in OPTIONAL_METRICS and all(r.metric(m) is None for r in present)]",
+        "    return []",
+        "a limit or gate on range statistics of a run without them passes, having checked nothing",
+        "tests/unit/test_metric_tolerances.py",
+        "tests/unit/test_range_stats.py",
     ),
 ]

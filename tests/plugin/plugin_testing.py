@@ -15,6 +15,7 @@ import os
 import pkgutil
 import re
 import types
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ def warm_up() -> None:
         getattr(pytest_precision, name)
     for module in pkgutil.iter_modules(pytest_precision.__path__):
         importlib.import_module(f"pytest_precision.{module.name}")
-    from pytest_precision import baseline, compare, environment
+    from pytest_precision import baseline, compare, environment, plots
 
     tiny = types.ModuleType("tinymodel_warm_up")
     exec(compile(TINY_MODEL, "tinymodel_warm_up", "exec"), tiny.__dict__)
@@ -128,6 +129,15 @@ def warm_up() -> None:
     document = baseline.document(report, "warm_up", environment.environment("cpu", {}))
     json.loads(baseline.render(document))
     torch.float8_e4m3fn  # noqa: B018
+    # What --precision-report's plot imports, imported here once: then the warnings of matplotlib and the class
+    # that run's -W ignores come from one pyparsing (run re-imports nothing that a warning class could differ in).
+    if plots.matplotlib_available():
+        with warnings.catch_warnings():
+            deprecation = pyparsing_deprecation()
+            if deprecation is not None:
+                warnings.simplefilter("ignore", deprecation)
+            for name in ("matplotlib.figure", "matplotlib.backends.backend_agg", "matplotlib.ticker"):
+                importlib.import_module(name)
 
 
 def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, **tests: str) -> pytest.Pytester:
@@ -161,10 +171,26 @@ def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         # In-process, the plugin's package is already imported when the inner session marks it for assertion
         # rewriting (an install whose RECORD lists a .pth path does that), which only a second session in
         # one process can see: ignore that warning, not others.
-        return pytester.runpytest("-p", "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning", *args)
+        ignore = ["-W", "ignore::pytest.PytestAssertRewriteWarning"]
+        if pyparsing_deprecation() is not None:
+            ignore += ["-W", "ignore::pyparsing.PyparsingDeprecationWarning"]
+        return pytester.runpytest("-p", "no:cacheprovider", *ignore, *args)
     finally:
         torch.set_num_threads(threads)
         os.umask(umask)
+
+
+def pyparsing_deprecation() -> type[Warning] | None:
+    """pyparsing's PyparsingDeprecationWarning, or None where pyparsing lacks it or is not installed.
+
+    pyparsing >= 3.3 deprecates the camelCase names that matplotlib < 3.10.7 calls while plotting: the runs
+    ignore it, or their output gains a warnings summary that is none of the plugin's doing.
+    """
+    try:
+        import pyparsing
+    except ImportError:
+        return None
+    return getattr(pyparsing, "PyparsingDeprecationWarning", None)
 
 
 def baseline_file(pytester: pytest.Pytester, test_file: str, stem: str, directory: str = "baselines") -> Path:

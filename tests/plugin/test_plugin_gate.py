@@ -213,7 +213,7 @@ def test_bad_marker_and_tolerance_arguments(pytester, monkeypatch):
     result.assert_outcomes(failed=3)
     text = output(result)
     assert "ConfigurationError: @pytest.mark.precision takes the keywords rtol, atol, isolate only, got ['rtl']" in text
-    assert "ConfigurationError: tolerances['fw']: unknown key(s) rtl; use 'rtol' and/or 'atol'" in text
+    assert "ConfigurationError: tolerances['fw']: unknown key 'rtl'; use 'rtol' and/or 'atol', or metric names" in text
     assert "ConfigurationError: metrics: unknown metric 'rms_rell'; gateable metrics: " in text
     assert_no_traceback(result)
 
@@ -252,8 +252,8 @@ def test_limits_hold_without_a_baseline(pytester, monkeypatch):
     no_match = [line for line in failure(result, "test_no_such_tensor") if line.startswith("ConfigurationError")]
     assert no_match == [
         "ConfigurationError: limits: 'decoder_layers' matches no tensor name or kind of this report "
-        "(kinds: fw, logprob, loss, bw, grad, fw_isolated, bw_isolated, grad_isolated; names are matched with "
-        "re.search)"
+        "(kinds: fw, logprob, loss, bw, grad, weight_cast, fw_isolated, bw_isolated, grad_isolated; "
+        "names are matched with re.search)"
     ]
     assert_no_traceback(result)
     # A limit key that matches nothing is an error before anything is written, and a run breaking its limits

@@ -325,6 +325,7 @@ def test_summary_holds_each_test_to_the_tolerances_its_gate_used(pytester, monke
     gates = {test: entry["gate"] for test, entry in report["tests"].items()}
     assert gates["test_sum.py::test_loose"] == {
         "base": {"atol": 1e-05, "rtol": 0.1},
+        "base_metrics": {},
         "rtol": 100,
         "atol": None,
         "tolerances": [],

@@ -36,8 +36,8 @@ def test_precision_gpu_marker_is_skipped_without_the_option(pytester, monkeypatc
     markers = run(pytester, "--markers")
     markers.stdout.fnmatch_lines(
         [
-            "@pytest.mark.precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate; "
-            "isolate=True also measures each module's isolated error in precision.run",
+            "@pytest.mark.precision(rtol=None, atol=None, isolate=None): tolerances of this test's precision gate "
+            "(a number, or {metric: number}); isolate=True also measures each module's isolated error in precision.run",
             "@pytest.mark.precision_gpu: needs a CUDA device; runs only with --precision-gpu",
         ]
     )
@@ -157,9 +157,12 @@ def test_plugin_is_loaded_from_its_entry_point(pytester, monkeypatch):
             "numerical precision gates (pytest-precision):",
             "  --update-baselines*",
             "  --precision-gpu*",
-            "  --precision-baseline-dir=*",
-            "  --precision-rtol=*",
-            "  --precision-atol=*",
+            "  --precision-baseline-dir=DIR*",
+            "  --precision-update-mode={all,failing,missing}*",
+            "  --precision-rtol=RTOL*",
+            "  --precision-atol=ATOL*",
+            "  --precision-metrics=METRICS*",
+            "  --precision-fail-stale*",
             "  --precision-tables*",
         ]
     )

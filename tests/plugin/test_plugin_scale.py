@@ -112,7 +112,7 @@ def test_session_report_and_junit_property(pytester, monkeypatch):
 
     summary = (pytester.path / "out" / "summary.md").read_text()
     assert "### `test_gate.py::test_name`: passed" in summary
-    png = pytester.path / "out" / "test_name.png"
+    png = pytester.path / "out" / "test_gate" / "test_name.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     properties = {
@@ -156,5 +156,5 @@ def test_without_matplotlib_the_plots_are_a_one_line_note(pytester, monkeypatch)
     assert "precision plots: skipped, matplotlib is not installed (pip install 'pytest-precision[plot]')" in output(
         result
     )
-    assert not list((pytester.path / "out").glob("*.png"))
+    assert not list((pytester.path / "out").rglob("*.png"))
     assert "### `test_gate.py::test_name`: passed" in step_summary.read_text()

@@ -60,13 +60,16 @@ def decode_loop_logits(model: nn.Module, inputs: dict[str, torch.Tensor]) -> tor
         output = model(input_ids=ids[:, :1], attention_mask=mask[:, :1], use_cache=True)
         steps.append(output.logits)
         for position in range(1, ids.shape[1]):
-            # transformers 5.25 returns the KV cache as `output.cache` and takes it back as `cache=`
-            assert output.cache is not None
+            # newer transformers return the KV cache as `output.cache` and take it back as `cache=`, older ones
+            # as `past_key_values` (as pytest_precision.arrangements.decode does)
+            key = "cache" if getattr(output, "cache", None) is not None else "past_key_values"
+            cache = getattr(output, key, None)
+            assert cache is not None
             output = model(
                 input_ids=ids[:, position : position + 1],
                 attention_mask=mask[:, : position + 1],
-                cache=output.cache,
                 use_cache=True,
+                **{key: cache},
             )
             steps.append(output.logits)
     logits = torch.cat(steps, dim=1)

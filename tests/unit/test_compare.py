@@ -662,7 +662,10 @@ def test_factory_builds_each_run_in_its_dtype() -> None:
     cpu = torch.device("cpu")
     assert calls == [(torch.float32, cpu), (torch.bfloat16, cpu), (torch.float32, cpu), (torch.float32, cpu)]
     assert report.runs["bf16"].parameter_dtypes == {"bfloat16": 39}
-    assert report.runs["bf16"].buffer_dtypes == {"float32": 2}
+    # the rotary-embedding buffers stay float32 in a bf16 model (how many: 2 on transformers 5.24, 1 on 4.56)
+    float_buffers = sum(b.is_floating_point() for b in load_tiny_llama().buffers())
+    assert float_buffers >= 1
+    assert report.runs["bf16"].buffer_dtypes == {"float32": float_buffers}
     assert report.runs["bf16_autocast"].parameter_dtypes == {"float32": 39}
     assert report.reference.parameter_dtypes == {"float32": 39}
     assert all(r.rms_abs == 0 for r in report.records("fp32"))

@@ -4,6 +4,7 @@ a constant reference's variance residue) that an earlier suite let through."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -225,8 +226,12 @@ def test_undefined_on_both_sides_passes_only_when_the_reference_explains_it():
 
 def test_a_limit_on_an_undefined_metric_fails_unless_the_row_does_not_carry_it():
     collapsed = record(correlation=None)
-    violations = check_limits({"bf16": [collapsed]}, {"fw": {"correlation": 0.9, "delta_rms": 0.1}})
-    assert [(v.metric, v.obtained) for v in violations] == [("correlation", None)]
+    logprob = dataclasses.replace(record("logprob", "logprob"), delta_rms=0.01)
+    violations = check_limits({"bf16": [collapsed, logprob]}, {".": {"correlation": 0.9, "delta_rms": 0.1}})
+    assert [(v.name, v.metric, v.obtained) for v in violations] == [("layers.0", "correlation", None)]
+    # A key whose tensors never carry the metric checks nothing: an error, not a pass.
+    with pytest.raises(ConfigurationError, match=r"limits\['fw'\]\['delta_rms'\]: no tensor it applies to carries"):
+        check_limits({"bf16": [collapsed]}, {"fw": {"delta_rms": 0.1}})
 
 
 # --- bad and infinite tolerances and limits ---------------------------------------------------------------------
@@ -259,7 +264,7 @@ def test_a_tolerance_that_is_not_a_number_is_named(value, message):
         ({"per_tensor": {"fw": {"rtol": math.nan}}}, "tolerances['fw']['rtol'] is NaN"),
         ({"per_tensor": {"fw": {"atol": -1}}}, "tolerances['fw']['atol'] must be >= 0, got -1"),
         ({"per_tensor": {"fw": 0.1}}, "tolerances['fw'] must be a dict like {'rtol': 0.2}, got 0.1"),
-        ({"per_tensor": [("fw", {"rtol": 1})]}, "tolerances must be a dict {tensor regex or kind:"),
+        ({"per_tensor": [("fw", {"rtol": 1})]}, "tolerances must be a dict {tensor regex, kind or metric:"),
         ({"per_tensor": {3: {"rtol": 1}}}, "tolerances: key 3 must be a string"),
     ],
 )
