@@ -107,6 +107,21 @@ def test_name(precision, assert_precision_within):
     assert_precision_within(run(precision))
 """
 
+
+def gate_tests(*names: str) -> str:
+    """A test file of SIMPLE_TEST's shape with one test per name, each gating tinymodel's run."""
+    tests = [
+        f"def {name}(precision, assert_precision_within):\n    assert_precision_within(run(precision))\n"
+        for name in names
+    ]
+    return "\nfrom tinymodel import run\n\n\n" + "\n\n".join(tests)
+
+
+def failed_tests(result: pytest.RunResult) -> list[str]:
+    """The names of the tests a run reports as FAILED, sorted."""
+    return sorted(re.findall(r"^FAILED [^:]+::(\w+)", result.stdout.str(), flags=re.M))
+
+
 TABLE_HEADER = re.compile(r"^\s*variant\s+tensor\s+kind\s+metric\s+baseline\s+obtained\s+ratio\s+allowed$")
 
 

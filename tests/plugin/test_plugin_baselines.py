@@ -13,6 +13,7 @@ from plugin_testing import (
     assert_no_traceback,
     baseline_file,
     failure,
+    gate_tests,
     output,
     project,
     record_rows,
@@ -191,25 +192,7 @@ def test_update_baselines_has_no_ini_twin(pytester, monkeypatch):
     assert not (pytester.path / "baselines").exists()
 
 
-CORRUPT_TESTS = """
-from tinymodel import run
-
-
-def test_empty(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_truncated(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_other_schema(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_not_an_object(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-"""
+CORRUPT_TESTS = gate_tests("test_empty", "test_truncated", "test_other_schema", "test_not_an_object")
 
 
 def test_corrupt_baselines_name_the_file_and_the_fix(pytester, monkeypatch):

@@ -10,6 +10,7 @@ from plugin_testing import (
     assert_no_traceback,
     baseline_file,
     degrade,
+    failed_tests,
     failure,
     output,
     project,
@@ -114,14 +115,10 @@ def _degraded_tolerance_project(pytester, monkeypatch):
     degrade(monkeypatch)
 
 
-def _failed(result):
-    return sorted(re.findall(r"^FAILED test_tol\.py::(\w+)", result.stdout.str(), flags=re.M))
-
-
 def test_tolerance_precedence(pytester, monkeypatch):
     _degraded_tolerance_project(pytester, monkeypatch)
     result = run(pytester)
-    assert _failed(result) == [
+    assert failed_tests(result) == [
         "test_block_1_only",
         "test_call_beats_marker",
         "test_default",
@@ -175,7 +172,7 @@ def test_tolerance_ini_and_command_line(pytester, monkeypatch):
     for ini, args, failed in cases:
         pytester.makeini(f"[pytest]\n{ini}\n")
         result = run(pytester, *args)
-        assert _failed(result) == failed, (ini, args)
+        assert failed_tests(result) == failed, (ini, args)
         result.assert_outcomes(passed=2 - len(failed), failed=len(failed))
 
 

@@ -7,7 +7,17 @@ import json
 import subprocess
 
 import pytest
-from plugin_testing import SIMPLE_TEST, baseline_file, degrade, output, project, run, stale_lines
+from plugin_testing import (
+    SIMPLE_TEST,
+    baseline_file,
+    degrade,
+    failed_tests,
+    gate_tests,
+    output,
+    project,
+    run,
+    stale_lines,
+)
 
 TWO_TESTS = """
 import math
@@ -24,10 +34,6 @@ def test_default(precision, assert_precision_within):
 def test_marker(precision, assert_precision_within):
     assert_precision_within(run(precision))
 """
-
-
-def _failed(result: pytest.RunResult) -> list[str]:
-    return sorted(line.split("::")[1].split(" ")[0] for line in result.outlines if line.startswith("FAILED "))
 
 
 @pytest.mark.parametrize(
@@ -51,7 +57,7 @@ def test_per_metric_tolerances_from_ini_command_line_and_marker(pytester, monkey
     if ini:
         pytester.makeini(f"[pytest]\n{ini}\n")
     result = run(pytester, *args)
-    assert _failed(result) == failed, output(result)
+    assert failed_tests(result) == failed, output(result)
 
 
 def test_a_tolerance_for_a_metric_the_gate_does_not_check_is_an_error(pytester, monkeypatch):
@@ -96,21 +102,7 @@ def test_bad_review_options_are_usage_errors(pytester, monkeypatch, ini, args, m
     assert message in output(result)
 
 
-UPDATE_TESTS = """
-from tinymodel import run
-
-
-def test_moved(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_failing(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_new(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-"""
+UPDATE_TESTS = gate_tests("test_moved", "test_failing", "test_new")
 
 
 def _nudge(path, factor, others=None):
@@ -155,7 +147,7 @@ def test_update_modes_rewrite_all_failing_or_missing_files(pytester, monkeypatch
     else:
         # Only the missing file is written; the failing test still fails, its file untouched.
         result.assert_outcomes(passed=2, failed=1)
-        assert _failed(result) == ["test_failing"]
+        assert failed_tests(result) == ["test_failing"]
         assert moved.read_bytes() == moved_bytes and failing.read_bytes() == failing_bytes
         assert summary.endswith("1 written, 1 passed, 1 failed")
         assert "precision improved: test_update.py::test_failing: " in output(result)
@@ -174,24 +166,14 @@ def test_update_failing_rewrites_a_corrupt_baseline_and_keeps_refusing_nan(pytes
     run(pytester).assert_outcomes(passed=1)
 
 
-STALE_TESTS = """
-from tinymodel import run
-
-
-def test_kept(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-
-
-def test_removed(precision, assert_precision_within):
-    assert_precision_within(run(precision))
-"""
+STALE_TESTS = gate_tests("test_kept", "test_removed")
 
 
 def test_stale_baselines_fail_the_session_with_fail_stale_or_strict(pytester, monkeypatch):
     project(pytester, monkeypatch, test_stale=STALE_TESTS)
     pytester.makeini("[pytest]\ntestpaths = .\n")
     run(pytester, "--update-baselines").assert_outcomes(passed=2)
-    pytester.makepyfile(test_stale=STALE_TESTS.split("\n\ndef test_removed")[0])
+    pytester.makepyfile(test_stale=gate_tests("test_kept"))
     stale = baseline_file(pytester, "test_stale", "test_removed")
 
     result = run(pytester)
@@ -240,7 +222,7 @@ def test_session_report_and_summary_carry_environment_stale_files_drift_and_plot
     document = json.loads(path.read_text())
     document["environment"]["cpu_capability"] = "AVX512"
     path.write_text(json.dumps(document))
-    pytester.makepyfile(test_stale=STALE_TESTS.split("\n\ndef test_removed")[0])  # a tracked file now differs
+    pytester.makepyfile(test_stale=gate_tests("test_kept"))  # a tracked file now differs
     git_state.cache_clear()
     result = run(pytester, "--precision-report", "out")
     result.assert_outcomes(passed=1)
