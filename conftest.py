@@ -5,10 +5,23 @@ The models are small enough that a comparison with several variants takes well u
 
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+#: The CPU code paths of our own runs, set before torch is imported (here, and inherited by every xdist worker,
+#: pytester subprocess and torchrun rank). Torch, oneDNN and MKL choose their kernels by the CPU they find
+#: (AVX2, AVX-512, AVX-512 FP16, AMX), and with the kernel the order in which sums are rounded: the committed
+#: example baselines, recorded on AVX2 machines, moved by up to 1.25x on an AVX-512 one (fp16 gradients of norm
+#: weights). Pinned to the paths every x86-64 CI machine has, a baseline means the same on each of them. A
+#: value already in the environment wins.
+CPU_PINS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "COMPATIBLE"}
+if platform.machine().lower() in ("x86_64", "amd64"):
+    for _name, _value in CPU_PINS.items():
+        os.environ.setdefault(_name, _value)
 
 ROOT = Path(__file__).parent
 #: A tiny Llama committed as safetensors (see tests/data/make_tiny_models.py): the bundled example model.

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from .distributed import RankFailure
     from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
     from .metrics import TensorError, tensor_error
+    from .progress import ProgressEvent
     from .references import Reference, ReferenceCache, reference
     from .report import PrecisionReport, Record
     from .session import PrecisionUnassertedWarning
@@ -42,6 +43,7 @@ _EXPORTS = {
     "PrecisionError": "errors",
     "TensorError": "metrics",
     "tensor_error": "metrics",
+    "ProgressEvent": "progress",
     "Reference": "references",
     "ReferenceCache": "references",
     "reference": "references",
@@ -62,6 +64,7 @@ __all__ = [
     "PrecisionError",
     "PrecisionReport",
     "PrecisionUnassertedWarning",
+    "ProgressEvent",
     "RankFailure",
     "Record",
     "Reference",

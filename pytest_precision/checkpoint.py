@@ -1,4 +1,4 @@
-"""Measure a local transformers checkpoint (`pytest-precision run`) without ever executing code from it.
+"""Open a local transformers checkpoint (`pytest-precision run`) without ever executing code from it.
 
 Every from_pretrained gets trust_remote_code=False and local_files_only=True (no hub, and no prompt:
 transformers asks only when trust_remote_code is left at None); a config.json naming custom code
@@ -8,7 +8,10 @@ one line naming the file or option.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +19,6 @@ from .errors import PrecisionError
 
 if TYPE_CHECKING:
     import torch
-
-    from .report import PrecisionReport
 
 
 def _one_line(error: BaseException) -> str:
@@ -38,7 +39,7 @@ TOKENIZER_FILES = (
 )
 
 
-def _checked_device(name: str) -> Any:
+def checked_device(name: str) -> Any:
     """The torch.device of --device, after checking that this machine has it."""
     import torch
 
@@ -94,75 +95,131 @@ def _loading(what: str, load: Any) -> Any:
         raise PrecisionError(f"cannot load {what}: {type(error).__name__}: {_one_line(error)}") from None
 
 
-def measure_checkpoint(
-    directory: Path,
-    *,
-    variants: str,
-    length: int,
-    batch: int,
-    text_file: str | None,
-    seed: int,
-    device: str,
-    backward: bool,
-    isolate: bool = False,
-) -> PrecisionReport:
-    """compare() of the causal LM in `directory` on `batch` sequences of `length` tokens: random ones, or the
-    UTF-8 text of `text_file` tokenized by the checkpoint's own tokenizer. `variants` is comma-separated;
-    `isolate` adds each module's isolated error."""
-    from .comparison import compare
-    from .inputs import from_text, random_tokens
-    from .variants import resolve_variant
+#: Files that define a checkpoint's model: its configuration and weights (not the tokenizer: the inputs
+#: are checked apart, by their own digest).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
 
-    if length < 2:
-        raise PrecisionError(f"--length must be >= 2 (got {length}): a next-token log-probability needs two tokens")
-    if batch < 1:
-        raise PrecisionError(f"--batch must be >= 1 (got {batch})")
-    names = [v.strip() for v in variants.split(",") if v.strip()]
-    if not names:
-        raise PrecisionError(f"--variants {variants!r} names no variant; e.g. --variants bf16,fp16")
-    for name in names:
-        resolve_variant(name, argument="--variants")
-    chosen_device = _checked_device(device)
-    text = None
-    if text_file:
+
+def weight_files(directory: Path) -> list[Path]:
+    """config.json, weight index files and weight files of a checkpoint folder, sorted by name."""
+    files = [
+        path
+        for path in directory.iterdir()
+        if path.is_file()
+        and (path.name == "config.json" or path.name.endswith(".index.json") or path.suffix in WEIGHT_SUFFIXES)
+    ]
+    return sorted(files, key=lambda path: path.name)
+
+
+def weights_digest(directory: Path) -> str:
+    """SHA-256 over the names and bytes of weight_files(directory): which model a saved reference was computed
+    from. It reads every weight file once (about 1-2 GB/s, much less than running the model)."""
+    import hashlib
+
+    hasher = hashlib.sha256()
+    for path in weight_files(directory):
+        hasher.update(f"{path.name}\0{path.stat().st_size}\0".encode())
         try:
-            text = Path(text_file).read_bytes().decode("utf-8")
+            with open(path, "rb") as handle:
+                while chunk := handle.read(1 << 24):
+                    hasher.update(chunk)
         except OSError as error:
-            raise PrecisionError(f"--text {text_file}: cannot read it: {error.strerror or error}") from None
-        except UnicodeDecodeError:
-            raise PrecisionError(f"--text {text_file}: not UTF-8 text; pass a UTF-8 text file") from None
+            raise PrecisionError(f"cannot read {path}: {error.strerror or error}") from None
+    return hasher.hexdigest()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A local transformers causal LM: its folder, configuration and a factory (dtype, device) -> model."""
+
+    directory: Path
+    config: Any
+    factory: Callable[[torch.dtype, torch.device], Any]
+
+    def inputs(self, *, batch: int, length: int, text_file: str | None, seed: int) -> dict[str, torch.Tensor]:
+        """{"input_ids": ids, "labels": ids}: `batch` sequences of `length` tokens, random ones or the UTF-8
+        text of `text_file` tokenized by the checkpoint's own tokenizer."""
+        from .inputs import from_text, random_tokens
+
+        if length < 2:
+            raise PrecisionError(f"--length must be >= 2 (got {length}): a next-token log-probability needs two tokens")
+        if batch < 1:
+            raise PrecisionError(f"--batch must be >= 1 (got {batch})")
+        if text_file:
+            try:
+                text = Path(text_file).read_bytes().decode("utf-8")
+            except OSError as error:
+                raise PrecisionError(f"--text {text_file}: cannot read it: {error.strerror or error}") from None
+            except UnicodeDecodeError:
+                raise PrecisionError(f"--text {text_file}: not UTF-8 text; pass a UTF-8 text file") from None
+            directory = self.directory
+            if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+                raise PrecisionError(
+                    f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...) to tokenize "
+                    f"--text {text_file}; save one there (tokenizer.save_pretrained), or leave out --text for random "
+                    "tokens"
+                )
+            from transformers import AutoTokenizer
+
+            tokenizer = _loading(
+                f"the tokenizer of {directory}", lambda: AutoTokenizer.from_pretrained(directory, **LOCAL)
+            )
+            try:
+                ids = from_text(tokenizer, text, batch, length)
+            except PrecisionError as error:
+                raise PrecisionError(f"--text {text_file}: {error}") from None
+        else:
+            vocab = getattr(self.config, "vocab_size", None)
+            if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+                raise PrecisionError(
+                    f"{self.directory / 'config.json'}: vocab_size is {vocab!r}, not a positive integer; random "
+                    "tokens need it"
+                )
+            ids = random_tokens(vocab, batch, length, seed=seed)
+        return {"input_ids": ids, "labels": ids}
+
+
+#: Every from_pretrained: never code from the checkpoint, never the hub. trust_remote_code=False also means
+#: transformers never prompts (it asks only when the argument is left at None).
+LOCAL = {"local_files_only": True, "trust_remote_code": False}
+
+
+def open_checkpoint(directory: Path) -> Checkpoint:
+    """The checkpoint in `directory`, its configuration read (the weights are read by each run's factory)."""
     _checkpoint_config(directory)
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
         raise PrecisionError("`pytest-precision run` needs transformers: pip install 'pytest-precision[hf]'") from None
-    # Never code from the checkpoint, never the hub: trust_remote_code=False also means transformers never
-    # prompts (it asks only when the argument is left at None).
-    local = {"local_files_only": True, "trust_remote_code": False}
-    config = _loading(f"the configuration of {directory}", lambda: AutoConfig.from_pretrained(directory, **local))
+    config = _loading(f"the configuration of {directory}", lambda: AutoConfig.from_pretrained(directory, **LOCAL))
 
     def factory(dtype: torch.dtype, device: torch.device) -> Any:
         model: Any = _loading(
             f"the model in {directory}",
-            lambda: AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **local),
+            lambda: AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **LOCAL),
         )
         return model.to(device)
 
-    if text is not None:
-        if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-            raise PrecisionError(
-                f"{directory} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:3])}, ...) to tokenize --text "
-                f"{text_file}; save one there (tokenizer.save_pretrained), or leave out --text for random tokens"
-            )
-        tokenizer = _loading(f"the tokenizer of {directory}", lambda: AutoTokenizer.from_pretrained(directory, **local))
-        ids = from_text(tokenizer, text, batch, length)
-    else:
-        vocab = getattr(config, "vocab_size", None)
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
-            raise PrecisionError(
-                f"{directory / 'config.json'}: vocab_size is {vocab!r}, not a positive integer; random tokens need it"
-            )
-        ids = random_tokens(vocab, batch, length, seed=seed)
-    return compare(
-        factory, {"input_ids": ids, "labels": ids}, names, device=chosen_device, backward=backward, isolate=isolate
-    )
+    return Checkpoint(directory, config, factory)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers without its progress bars and warnings (every run loads the weights again, and the
+    tokenizer warns about a text longer than the model's context, which is cut to --length anyway): the
+    command's own progress is what shows. Both settings are restored on exit."""
+    try:
+        from transformers.utils import logging as transformers_logging
+    except ImportError:
+        yield
+        return
+    logging: Any = transformers_logging  # its functions carry no annotations
+    bars, verbosity = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()

@@ -41,6 +41,22 @@ EPILOG = """examples:
       load a local transformers checkpoint (no hub access) and print its tables
 """
 
+RUN_DESCRIPTION = """Load a local transformers causal LM (no hub access), run the fp32 reference and each variant,
+and print the error-propagation tables. Progress goes to stderr (a live bar on a terminal, plain lines
+otherwise; --quiet silences it). Never executes code from the checkpoint: trust_remote_code=False, no
+prompt, and a config.json naming custom code (auto_map) is refused.
+
+Reusing the reference: on a big model the fp32 reference is the most expensive run (fp32 weights, every
+activation and gradient kept). --save-reference PATH writes it once; later runs with --reference PATH run
+only the variants you add, on the same tokens. The file records a digest of the checkpoint's weights and
+of the inputs: a reference of other weights, or other inputs, is refused instead of measured against.
+
+examples:
+  pytest-precision run ./ckpt --text prompt.txt --output-dir runs/first --save-reference ref.safetensors
+  pytest-precision run ./ckpt --reference ref.safetensors --variants bf16_fp32_head,bf16_sdpa
+  pytest-precision run ./ckpt --variants-file variants.json --variants bf16 --tokens 1024
+"""
+
 DIFF_DESCRIPTION = """Per variant and tensor: old, new and ratio for the gated metrics, largest changes first.
 
 Exit code 1 when NEW is worse than OLD: a metric worse beyond --rtol/--atol, a variant, tensor or
@@ -131,20 +147,34 @@ def _diff(arguments: argparse.Namespace) -> int:
 
 
 def _run(arguments: argparse.Namespace) -> int:
-    from .checkpoint import measure_checkpoint
+    from .checkpoint_run import RunOptions, run_checkpoint
 
-    report = measure_checkpoint(
-        Path(arguments.model_dir),
+    def path(value: str | None) -> Path | None:
+        return None if value is None else Path(value)
+
+    options = RunOptions(
+        directory=Path(arguments.model_dir),
         variants=arguments.variants,
+        variants_file=path(arguments.variants_file),
         length=arguments.length,
         batch=arguments.batch,
-        text_file=arguments.text,
+        tokens=arguments.tokens,
+        text=arguments.text,
         seed=arguments.seed,
         device=arguments.device,
-        backward=not arguments.forward_only,
+        forward_only=arguments.forward_only,
         isolate=arguments.isolate,
+        modules=None if arguments.modules is None else tuple(arguments.modules),
+        temperature=arguments.temperature,
+        loss_scale=arguments.loss_scale,
+        output_dir=path(arguments.output_dir),
+        overwrite=arguments.overwrite,
+        save_reference=path(arguments.save_reference),
+        reference=path(arguments.reference),
+        quiet=arguments.quiet,
+        full=arguments.full,
     )
-    print(report.format(full=arguments.full))
+    run_checkpoint(options)
     return 0
 
 
@@ -159,6 +189,38 @@ def _tolerance(text: str) -> Level:
     if not all(math.isfinite(value) for value in [*level[1].values(), *([] if level[0] is None else [level[0]])]):
         raise argparse.ArgumentTypeError(f"{text!r} must be finite numbers >= 0")
     return level
+
+
+def _positive_number(text: str) -> float:
+    """argparse type of --temperature: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def _loss_scale(text: str) -> float | str:
+    """argparse type of --loss-scale: a finite number > 0, or "calibrate"."""
+    if text == "calibrate":
+        return text
+    try:
+        return _positive_number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0 or 'calibrate'") from None
+
+
+def _regex(text: str) -> str:
+    """argparse type of --modules: a regex that compiles."""
+    import re
+
+    try:
+        re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a regex ({error})") from None
+    return text
 
 
 def _positive(text: str) -> int:
@@ -222,22 +284,78 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser(
         "run",
-        help="measure a local transformers checkpoint and print its tables",
-        description="Load a local transformers causal LM (no hub access), run the fp32 reference and each variant, "
-        "and print the tables. Never executes code from the checkpoint: trust_remote_code=False, no prompt, and a "
-        "config.json naming custom code (auto_map) is refused. "
-        "Example: pytest-precision run ./ckpt --variants bf16,fp16 --text prompt.txt",
+        help="measure a local transformers checkpoint: tables, progress, and with --output-dir files to keep",
+        description=RUN_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument("model_dir")
-    run.add_argument("--variants", default="bf16,fp16", help="comma-separated variant names (default bf16,fp16)")
-    run.add_argument("--length", type=int, default=128, help="tokens per sequence, at least 2 (default 128)")
-    run.add_argument("--batch", type=int, default=2, help="sequences, at least 1 (default 2)")
-    run.add_argument("--text", help="a text file to tokenize (repeated to length); default: random tokens")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random tokens")
-    run.add_argument("--device", default="cpu")
-    run.add_argument("--forward-only", action="store_true", help="no backward pass")
-    run.add_argument("--isolate", action="store_true", help="also each module's isolated error (its own share)")
-    run.add_argument("--full", action="store_true", help="also print every tensor's row")
+    run.add_argument("model_dir", metavar="CKPT", help="a local checkpoint folder (save_pretrained)")
+    run.add_argument("--device", default="cpu", help="where the runs compute: cpu (default), cuda, cuda:1, ...")
+    variants = run.add_argument_group("variants")
+    variants.add_argument(
+        "--variants",
+        metavar="NAMES",
+        help="comma-separated built-in variant names (default bf16,fp16, unless --variants-file is given)",
+    )
+    variants.add_argument(
+        "--variants-file",
+        metavar="FILE",
+        help="a JSON or TOML file of variants by their fields (name, dtype, "
+        "autocast, fp32_modules, matmul_precision, backend, attn_implementation, arrangement); mixes with --variants",
+    )
+    variants.add_argument(
+        "--isolate", action="store_true", help="also each module's isolated error (the error it adds itself)"
+    )
+    variants.add_argument(
+        "--loss-scale",
+        type=_loss_scale,
+        metavar="SCALE",
+        help="fp16 loss scale: a number, or 'calibrate' (an "
+        "unscaled pass of each fp16 variant sizes it); default: sized from the reference's largest gradient",
+    )
+    inputs = run.add_argument_group("inputs (with --reference: default the reference's own; if given, must match)")
+    inputs.add_argument("--length", type=int, metavar="N", help="tokens per sequence, at least 2 (default 128)")
+    inputs.add_argument("--batch", type=int, metavar="N", help="sequences (default 2)")
+    inputs.add_argument("--tokens", type=int, metavar="N", help="tokens in all: --batch sequences of N/batch")
+    inputs.add_argument(
+        "--text", metavar="FILE", help="a UTF-8 text file to tokenize (repeated to length); default: random tokens"
+    )
+    inputs.add_argument("--seed", type=int, metavar="N", help="seed of the random tokens (default 0)")
+    measured = run.add_argument_group("what is measured (with --reference: the reference's own)")
+    measured.add_argument(
+        "--modules",
+        action="append",
+        type=_regex,
+        metavar="REGEX",
+        help="full-match regex of module names to capture (repeatable); default: embedding, blocks, final norm, head",
+    )
+    measured.add_argument("--forward-only", action="store_true", default=None, help="no backward pass")
+    measured.add_argument(
+        "--temperature", type=_positive_number, metavar="T", help="of the chosen-token log-probabilities (default 1)"
+    )
+    reference = run.add_argument_group("reusing the reference")
+    reference.add_argument(
+        "--save-reference", metavar="PATH", help="write the fp32 reference (safetensors) for later --reference runs"
+    )
+    reference.add_argument(
+        "--reference",
+        metavar="PATH",
+        help="load a reference written by --save-reference and run only the "
+        "variants; refused when it was made from other weights or inputs",
+    )
+    output = run.add_argument_group("output")
+    output.add_argument(
+        "--output-dir",
+        metavar="DIR",
+        help="write precision-report.json, summary.md, error-vs-depth.png, "
+        "inputs.safetensors and logprobs/<run>.npy there (refused when DIR is not empty, unless --overwrite)",
+    )
+    output.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier run's files in --output-dir and an existing --save-reference file",
+    )
+    output.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    output.add_argument("--full", action="store_true", help="also print every tensor's row")
     run.set_defaults(handler=_run)
     return parser
 

@@ -43,6 +43,7 @@ from .metrics import (
 )
 from .model_build import FactoryProducts, ModelFactory, build_run_model, parameter_dtypes
 from .positions import Positions, batch_positions, select_positions
+from .progress import Phase, ProgressCallback, RunProgress, checked_callback
 from .references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
 from .report import PrecisionReport, Record, RunInfo
 from .sharding import (
@@ -215,6 +216,8 @@ class _Runner:
         #: isolated or recording runs), and give records range statistics (see metrics.RangeStats).
         self.weight_cast = False
         self.range_stats = False
+        #: The events of the run being made (see progress.py); None: none are sent.
+        self.progress: RunProgress | None = None
         if self.distributed:
             everyone = distributed.exchange((self.inputs_described, self.batch.digest()))
             self.inputs_described = everyone[0][0]
@@ -227,6 +230,11 @@ class _Runner:
     @property
     def valid(self) -> torch.Tensor | None:
         return self.positions.valid
+
+    def phase(self, phase: Phase) -> None:
+        """Tell the progress callback, if any, that the current run starts `phase`."""
+        if self.progress is not None:
+            self.progress.phase(phase)
 
     def run(
         self,
@@ -249,6 +257,7 @@ class _Runner:
         import torch
 
         with ambient_modes_off(self.device), pinned_backend(variant, self.device.type) as flags:
+            self.phase("build")
             model = build_run_model(self.source, variant, self.device, self.products)
             if self.module_names is None:
                 self.module_names = select_modules(model, self.modules)
@@ -267,6 +276,7 @@ class _Runner:
                 for parameter_name, parameter in model.named_parameters():  # tied ones once
                     if parameter.is_floating_point():
                         sink(parameter_name, WEIGHT_KIND, parameter.detach())
+            self.phase("forward")
             if isolation is not None:
                 return self._run_isolated(model, variant, sink, loss_scale, isolation, (args, kwargs), flags)
             if variant.arrangement is not None:
@@ -307,6 +317,7 @@ class _Runner:
                             f"run {variant.name!r}: the loss does not require grad (no parameter requires "
                             "grad?); pass backward=False to compare forward tensors only"
                         )
+                    self.phase("backward")
                     try:
                         (loss * loss_scale if loss_scale != 1 else loss).backward()  # type: ignore[no-untyped-call]
                     except PrecisionError:
@@ -800,6 +811,7 @@ def _exact_if_needed(
         return None, measured
     exact = _VariantPass(runner, measured.variant, measured.stored, measured.sums, measured.scale, exact=True)
     info = runner.run(measured.variant, exact.measure, measured.scale, isolation=isolation)
+    runner.phase("measure")
     exact.resolve()
     return info, exact
 
@@ -866,6 +878,7 @@ def _measure_variant(
     while True:
         measured = _VariantPass(runner, variant, stored, sums, scale)
         info = runner.run(variant, measured.measure, scale)
+        runner.phase("measure")
         measured.resolve()
         if not (scaled and measured.overflowed and scale > 1):
             break
@@ -885,6 +898,7 @@ def _measure_variant(
         for _ in range(repeats - 1):
             again = _VariantPass(runner, variant, stored, sums, scale)
             runner.run(variant, again.measure, scale)
+            runner.phase("measure")
             again.resolve()
             _, again = _exact_if_needed(runner, again)
             passes.append(_rms_rels(again.records))
@@ -910,6 +924,7 @@ def _isolated_records(
     sums = {key: value for key, value in sums.items() if key not in own}  # the others' are shared, unchanged
     measured = _VariantPass(runner, variant, stored, sums, scale)
     runner.run(variant, measured.measure, scale, isolation=recorded)
+    runner.phase("measure")
     measured.resolve()
     _, measured = _exact_if_needed(runner, measured, recorded)
     return measured.records
@@ -1017,14 +1032,18 @@ def build_reference(
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
     checksum: bool = True,
+    progress: ProgressCallback | None = None,
+    progress_total: int = 1,
 ) -> Reference:
     """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
     this model, with the same parameter values, inputs and settings. Under torch.distributed, a failure on any
-    rank fails every rank alike (see distributed.failures_shared)."""
+    rank fails every rank alike (see distributed.failures_shared). `progress`: see progress.py; the reference
+    is run 1 of `progress_total` (a cache hit sends no event)."""
     import torch
     from torch import nn
 
     _check_model(model)
+    progress = checked_callback(progress)
     selection = module_selection(modules)
     if temperature <= 0:
         raise ConfigurationError(f"temperature must be positive, got {temperature}")
@@ -1081,7 +1100,9 @@ def build_reference(
     )
     with preserved_rng(run_device), ambient_modes_off(run_device):
         runner = _runner(ref)  # its targets and mask made outside the caller's inference mode too
+        runner.progress = RunProgress(progress, reference_variant.name, "reference", 1, progress_total)
         ref.info, ref.max_gradient = _run_reference(runner, reference_variant, ref.stored, ref.sums, offload)
+        runner.progress.done()
     if not backward:
         ref.max_gradient = None
     ref.module_names = list(runner.module_names or [])
@@ -1247,6 +1268,7 @@ def _run_reference(
     """
     keeper = _ReferenceKeeper(runner, stored, sums, offload=offload, clone_all=False)
     info = runner.run(variant, keeper)
+    runner.phase("measure")
     nonfinite, largest = keeper.check()  # the run's one host sync
     if nonfinite:
         stored.clear()
@@ -1261,6 +1283,7 @@ def _run_reference(
     if not keeper.untouched():
         keeper = _ReferenceKeeper(runner, stored, sums, offload=offload, clone_all=True)
         info = runner.run(variant, keeper)
+        runner.phase("measure")
         _, largest = keeper.check()
     return info, largest
 
@@ -1339,10 +1362,14 @@ def measure(
     verify: bool = True,
     range_stats: bool = False,
     weight_cast: bool = False,
+    progress: ProgressCallback | None = None,
+    progress_offset: int = 0,
 ) -> PrecisionReport:
     """Measure each variant against the reference's stored tensors (the reference does not run again, but
     for repeats > 1, to measure its noise once per Reference). Under torch.distributed, a failure on any rank
-    fails every rank alike. `range_stats`, `weight_cast`: see compare."""
+    fails every rank alike. `range_stats`, `weight_cast`: see compare. `progress`: see progress.py; variant i
+    is run `progress_offset + i` (1-based) of `progress_offset + len(variants)`."""
+    progress = checked_callback(progress)
     _check_flag(range_stats, "range_stats")
     _check_flag(weight_cast, "weight_cast")
     if ref.source is None:
@@ -1380,7 +1407,9 @@ def measure(
             stored = _WithWeights(stored, reference_weights(ref))
         report = PrecisionReport(reference=dataclasses.replace(ref.info, repeats=repeats), device=str(ref.device))
         isolation = isolation_inputs(runner, ref) if any(v.isolate for v in variants) else None
-        for variant in variants:
+        total = progress_offset + len(variants)
+        for number, variant in enumerate(variants, start=progress_offset + 1):
+            runner.progress = RunProgress(progress, variant.name, "variant", number, total)
             info, records = _measure_variant(
                 runner,
                 variant,
@@ -1394,6 +1423,7 @@ def measure(
                 isolation=isolation if variant.isolate else None,
                 logprobs=report.token_logprobs,
             )
+            runner.progress.done()
             seen = {(r.name, r.kind) for r in records}
             absent = (LOGITS_KIND,) if variant.arrangement is None else (LOGITS_KIND, "loss", *GRADIENT_KINDS)
             missing = [key for key in stored if key not in seen and key[1] not in absent]
@@ -1432,6 +1462,7 @@ def compare(
     isolate: bool | None = None,
     range_stats: bool = False,
     weight_cast: bool = False,
+    progress: ProgressCallback | None = None,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -1476,6 +1507,9 @@ def compare(
         against the reference's, with the usual metrics: the error of the cast alone (no extra forward or
         backward). Also for arrangement variants (a weight does not depend on how the tokens are run); not
         in isolated passes, not under torch.distributed (a ConfigurationError).
+    progress: a callable taking a pytest_precision.progress.ProgressEvent, called as each run (the reference,
+        then each variant) starts a phase (build, forward, backward, measure) and when it is done, with its
+        wall time; it adds no host synchronisation. Default: no events.
 
     The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
     same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
@@ -1527,6 +1561,7 @@ def compare(
             repeats=repeats,
             range_stats=range_stats,
             weight_cast=weight_cast,
+            progress=progress,
         )
     ref = build_reference(
         model,
@@ -1541,6 +1576,8 @@ def compare(
         offload=offload,
         cache=cache,
         checksum=cache is not None,
+        progress=progress,
+        progress_total=1 + len(variant_list),
     )
     try:
         return measure(
@@ -1551,6 +1588,8 @@ def compare(
             verify=False,
             range_stats=range_stats,
             weight_cast=weight_cast,
+            progress=progress,
+            progress_offset=1,
         )
     finally:
         if cache is None:

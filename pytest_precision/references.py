@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from .comparison import LossFn
     from .isolated import Recorded
     from .model_build import ModelFactory
+    from .progress import ProgressCallback
     from .sharding import ShardedModel
 
 TensorKey = tuple[str, str]
@@ -90,6 +91,9 @@ class Reference:
     loss_fn_name: str | None = None
     #: Where it was loaded from (None when computed here).
     path: str | None = None
+    #: What the reference was computed from, for a caller to check before reusing it (JSON-ready; saved with
+    #: it): `pytest-precision run` records its checkpoint's weights digest and the inputs' digest here.
+    origin: dict[str, Any] | None = None
     #: Largest finite |gradient| over the bw and grad tensors, which sizes fp16 loss scales: measured while
     #: the reference runs; for a loaded Reference, computed from its tensors on first need (None until then).
     max_gradient: float | None = None
@@ -165,6 +169,7 @@ class Reference:
             "checksum": None if self.checksum is None else list(self.checksum),
             "order": order,
             "inputs": inputs,
+            **({} if self.origin is None else {"origin": self.origin}),
         }
         save_file(_unshared(tensors), os.fspath(path), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
 
@@ -339,6 +344,9 @@ def _loaded_fields(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         raise TypeError(f"its 'backward' is {meta['backward']!r}, not true or false")
     if meta["loss_fn"] is not None and not isinstance(meta["loss_fn"], str):
         raise TypeError("its 'loss_fn' is not a name or null")
+    origin = meta.get("origin")
+    if origin is not None and not isinstance(origin, dict):
+        raise TypeError("its 'origin' is not an object")
     spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
     return {
         "batch": batch,
@@ -353,6 +361,7 @@ def _loaded_fields(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) ->
         "stored": {(name, kind): tensors[f"{kind}/{name}"] for name, kind in order},
         "checksum": None if checksum is None else tuple(checksum),
         "loss_fn_name": meta["loss_fn"],
+        "origin": origin,
     }
 
 
@@ -438,11 +447,13 @@ def reference(
     clip_eps: float | None = None,
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
+    progress: ProgressCallback | None = None,
 ) -> Reference:
     """Run the reference of `model` on `inputs` once; compare variants with `compare(ref, variants=[...])`.
 
     The arguments are compare's. offload: keep the captured tensors on the host, each moved to the device
-    when compared (default: on CUDA when the model holds more than 1 GiB of parameters).
+    when compared (default: on CUDA when the model holds more than 1 GiB of parameters). progress: called with
+    the reference run's ProgressEvents (see pytest_precision.progress).
     """
     from .comparison import build_reference
 
@@ -458,6 +469,7 @@ def reference(
         clip_eps=clip_eps,
         offload=offload,
         cache=cache,
+        progress=progress,
     )
 
 

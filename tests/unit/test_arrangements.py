@@ -401,6 +401,9 @@ def shuffled(x: torch.Tensor) -> CallPlan:
 
 
 def test_custom_arrangement_on_a_positionwise_model_is_exact() -> None:
+    """Every position lands where the reference has it: fp32 rows agree to rounding. Not bitwise: a matmul's
+    blocking, and so its rounding, may depend on how many rows the call holds (MKL in its reproducible modes,
+    conftest.CPU_PINS); a row or position put in the wrong place is an O(1) error."""
     model = PositionwiseBlocks()
     x = positionwise_inputs()
     variants = [
@@ -413,7 +416,8 @@ def test_custom_arrangement_on_a_positionwise_model_is_exact() -> None:
         assert [r.name for r in fw] == ["blocks.0", "blocks.1", "blocks.2"]
         for record in fw:
             assert record.count == 3 * 10 * 16
-            assert record.rms_abs == 0 and record.max_abs == 0, (variant, record.name)
+            assert record.rms_rel is not None and record.rms_rel < 1e-6, (variant, record.name, record.rms_rel)
+            assert record.max_rel is not None and record.max_rel < 1e-5, (variant, record.name, record.max_rel)
             assert record.ref_rms is not None and record.ref_rms > 0
         assert not report.records(variant, "logprob") and report.missing[variant] == []
     assert report.runs["fp32_chunked"].variant["arrangement"] == "chunked"

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,11 +42,22 @@ class MarkerTokenizer(PreTrainedTokenizer):
 """
 
 
+#: A progress line of `pytest-precision run` on stderr ("[   1.2s] reference fp32 (1/3): forward").
+PROGRESS_LINE = re.compile(r"\[ *[0-9.]+[hms][0-9hms]*\] .*\n")
+
+
+def without_progress(err: str) -> str:
+    """stderr without the progress lines that may come before an error."""
+    return PROGRESS_LINE.sub("", err)
+
+
 def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of the command, checking that an error is one line and no traceback."""
+    """(exit code, stdout, stderr without progress lines) of the command, checking that an error is one line
+    and no traceback."""
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
+    err = without_progress(err)
     if code == 2:
         assert err.count("\n") == 1 and err.startswith(f"pytest-precision {args[0]}: "), err
     return code, out, err
@@ -120,8 +132,9 @@ def test_run_never_runs_a_custom_tokenizers_code(tmp_path: Path) -> None:
     prompt.write_text("Once upon a time")
     result = cli_process("run", folder, "--text", prompt, "--length", "4", "--forward-only", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith(f"pytest-precision run: cannot load the tokenizer of {folder}: ValueError: ")
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    err = without_progress(result.stderr)
+    assert err.startswith(f"pytest-precision run: cannot load the tokenizer of {folder}: ValueError: ")
+    assert err.count("\n") == 1 and "Traceback" not in result.stderr
     assert not (folder / "IMPORTED").exists()
 
 

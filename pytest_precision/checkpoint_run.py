@@ -1,0 +1,357 @@
+"""`pytest-precision run CKPT`: the fp32 reference (computed, or loaded with --reference) and each variant
+of a local checkpoint, with progress on stderr, the tables on stdout and, with --output-dir, files to read
+and compare later (see run_outputs). A saved reference records the digest of the checkpoint's weights and
+of its inputs: reusing it with other weights or other inputs is refused, never measured.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from .errors import PrecisionError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .checkpoint import Checkpoint
+    from .progress import ProgressPrinter, Role
+    from .references import Reference
+    from .report import PrecisionReport
+    from .variants import Variant
+
+DEFAULT_VARIANTS = "bf16,fp16"
+DEFAULT_LENGTH = 128
+DEFAULT_BATCH = 2
+DEFAULT_SEED = 0
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The options of `pytest-precision run`; None: not given (a default, or the loaded reference's own)."""
+
+    directory: Path
+    variants: str | None = None
+    variants_file: Path | None = None
+    length: int | None = None
+    batch: int | None = None
+    tokens: int | None = None
+    text: str | None = None
+    seed: int | None = None
+    device: str = "cpu"
+    forward_only: bool | None = None
+    isolate: bool = False
+    modules: tuple[str, ...] | None = None
+    temperature: float | None = None
+    loss_scale: float | str | None = None
+    output_dir: Path | None = None
+    overwrite: bool = False
+    save_reference: Path | None = None
+    reference: Path | None = None
+    quiet: bool = False
+    full: bool = False
+
+    @property
+    def input_options(self) -> list[str]:
+        """The input options given on the command line, with their values ("--length 64")."""
+        given = {
+            "--length": self.length,
+            "--batch": self.batch,
+            "--tokens": self.tokens,
+            "--text": self.text,
+            "--seed": self.seed,
+        }
+        return [f"{name} {value}" for name, value in given.items() if value is not None]
+
+
+def chosen_variants(options: RunOptions) -> list[Variant]:
+    """--variants (built-in names) then --variants-file's, names unique; bf16,fp16 when neither is given."""
+    from .variants import resolve_variant
+    from .variants_file import load_variants_file
+
+    names = options.variants
+    if names is None and options.variants_file is None:
+        names = DEFAULT_VARIANTS
+    variants: list[Variant] = []
+    if names is not None:
+        listed = [name.strip() for name in names.split(",") if name.strip()]
+        if not listed:
+            raise PrecisionError(f"--variants {names!r} names no variant; e.g. --variants bf16,fp16")
+        variants += [resolve_variant(name, argument="--variants") for name in listed]
+    if options.variants_file is not None:
+        for variant in load_variants_file(options.variants_file):
+            if any(v.name.lower() == variant.name.lower() for v in variants):
+                raise PrecisionError(
+                    f"--variants-file {options.variants_file}: variant {variant.name!r} is also named by --variants "
+                    "(case apart: the names name files); give each run once"
+                )
+            variants.append(variant)
+    names_seen = [v.name for v in variants]
+    repeated = sorted({n for n in names_seen if names_seen.count(n) > 1})
+    if repeated:
+        raise PrecisionError(f"--variants names {', '.join(repeated)} more than once")
+    return variants
+
+
+def check_backends(variants: list[Variant], device: torch.device) -> None:
+    """Set and restore each variant's backend flags and matmul precision now: a value torch refuses (a string
+    flag given an unknown setting) fails here, not after the reference has run."""
+    from .backend_flags import pinned_backend
+
+    for variant in variants:
+        try:
+            with pinned_backend(variant, device.type):
+                pass
+        except PrecisionError as error:
+            raise PrecisionError(f"variant {variant.name!r}: {error}") from None
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise PrecisionError(
+                f"variant {variant.name!r}: torch refuses its backend settings {dict(variant.backend)} ({error})"
+            ) from None
+
+
+def input_shape(options: RunOptions) -> tuple[int, int]:
+    """(batch, length) of the inputs: --tokens N is N tokens in all, --batch sequences of N / batch."""
+    batch = DEFAULT_BATCH if options.batch is None else options.batch
+    if batch < 1:
+        raise PrecisionError(f"--batch must be >= 1 (got {batch})")
+    if options.tokens is None:
+        length = DEFAULT_LENGTH if options.length is None else options.length
+        if length < 2:
+            raise PrecisionError(f"--length must be >= 2 (got {length}): a next-token log-probability needs two tokens")
+        return batch, length
+    if options.length is not None:
+        raise PrecisionError(
+            f"--tokens {options.tokens} and --length {options.length} both set the sequence length; give one"
+        )
+    if options.tokens < 2 * batch or options.tokens % batch:
+        raise PrecisionError(
+            f"--tokens {options.tokens} must be a multiple of --batch {batch} and at least {2 * batch} "
+            "(sequences of 2 tokens or more)"
+        )
+    return batch, options.tokens // batch
+
+
+def _check_files(options: RunOptions) -> None:
+    """Everything about the files the run reads and writes that can be refused before it runs."""
+    from .run_outputs import prepare_output_dir
+
+    if options.reference is not None and options.save_reference is not None:
+        raise PrecisionError(
+            "--reference and --save-reference: give one (--reference reuses a saved reference, "
+            "--save-reference writes a new one)"
+        )
+    if options.reference is not None and not options.reference.is_file():
+        raise PrecisionError(f"--reference {options.reference}: no such file; write one with --save-reference")
+    if options.output_dir is not None:  # first: --save-reference may name a file in it
+        prepare_output_dir(options.output_dir, overwrite=options.overwrite)
+    if options.save_reference is not None:
+        target = options.save_reference
+        if target.is_dir():
+            raise PrecisionError(f"--save-reference {target} is a folder; give a file name, e.g. reference.safetensors")
+        if target.exists() and not options.overwrite:
+            raise PrecisionError(
+                f"--save-reference {target} exists; pass --overwrite to replace it, or choose another name"
+            )
+        if not target.parent.is_dir():
+            raise PrecisionError(f"--save-reference {target}: the folder {target.parent} does not exist")
+
+
+def _save_reference(ref: Reference, path: Path) -> None:
+    """Reference.save through a temporary file beside `path` and os.replace: never half a file."""
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        ref.save(temporary)
+        os.replace(temporary, path)
+    except OSError as error:
+        raise PrecisionError(f"--save-reference {path}: cannot write it ({error.strerror or error})") from None
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _loaded_reference(options: RunOptions, checkpoint: Checkpoint, digest: str, device: torch.device) -> Reference:
+    """The reference saved at --reference, refused when it was made from other weights or other inputs, or
+    with settings the options contradict."""
+    from .batch import to_batch
+    from .errors import ConfigurationError
+    from .references import Reference
+
+    path = options.reference
+    assert path is not None
+    try:
+        ref = Reference.load(path, checkpoint.factory, device=device)
+    except ConfigurationError as error:
+        # Reference.load's advice is the Python API's; on the command line a new file comes from --save-reference.
+        advice = str(error).replace("re-create it with Reference.save", "write a new one with --save-reference")
+        raise PrecisionError(f"--reference {path}: {advice}") from None
+    origin = ref.origin or {}
+    recorded = origin.get("weights_sha256")
+    if not isinstance(recorded, str):
+        raise PrecisionError(
+            f"--reference {path} records no checkpoint digest (it was not written by pytest-precision run "
+            "--save-reference), so it cannot be checked against these weights; write one with --save-reference"
+        )
+    if recorded != digest:
+        raise PrecisionError(
+            f"--reference {path} was computed from other weights: it records the checkpoint "
+            f"{origin.get('checkpoint')} with weights digest {recorded[:16]}..., and {options.directory} has "
+            f"{digest[:16]}...; measuring variants of these weights against it would be meaningless: compute a "
+            "new reference (leave out --reference, or write one with --save-reference)"
+        )
+    if options.input_options:
+        batch, length = input_shape(options)
+        seed = DEFAULT_SEED if options.seed is None else options.seed
+        wanted = to_batch(checkpoint.inputs(batch=batch, length=length, text_file=options.text, seed=seed))
+        if wanted.digest() != ref.batch.digest():
+            theirs = ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in ref.batch.shapes().items())
+            ours = ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in wanted.shapes().items())
+            same = " (same shapes, other tokens)" if theirs == ours else ""
+            raise PrecisionError(
+                f"--reference {path} was computed on other inputs than {', '.join(options.input_options)} make: "
+                f"it holds {theirs}, these are {ours}{same}; leave out those options to use the reference's own "
+                "inputs, or compute a new reference"
+            )
+    contradictions = []
+    if options.modules is not None and tuple(options.modules) != ref.modules:
+        contradictions.append(f"--modules (it captured {list(ref.modules) if ref.modules else 'the default'})")
+    if options.forward_only is not None and options.forward_only == ref.backward:
+        contradictions.append(f"--forward-only (it ran {'with' if ref.backward else 'without'} backward)")
+    if options.temperature is not None and options.temperature != ref.temperature:
+        contradictions.append(f"--temperature (it used {ref.temperature})")
+    if contradictions:
+        raise PrecisionError(
+            f"--reference {path} was computed with other settings than {', '.join(contradictions)}; leave those "
+            "options out to use the reference's, or compute a new reference"
+        )
+    return ref
+
+
+def _computed_reference(
+    options: RunOptions,
+    checkpoint: Checkpoint,
+    digest: str | None,
+    device: torch.device,
+    printer: ProgressPrinter | None,
+) -> Reference:
+    """The fp32 reference of the checkpoint on the options' inputs, with its origin recorded (`digest`: of the
+    checkpoint's weights, when it is to be saved)."""
+    from .batch import to_batch
+    from .references import reference
+
+    batch, length = input_shape(options)
+    seed = DEFAULT_SEED if options.seed is None else options.seed
+    inputs = checkpoint.inputs(batch=batch, length=length, text_file=options.text, seed=seed)
+    ref = reference(
+        checkpoint.factory,
+        inputs,
+        backward=not options.forward_only,
+        modules=options.modules,
+        device=device,
+        temperature=1.0 if options.temperature is None else options.temperature,
+        progress=printer,
+    )
+    ref.origin = {
+        "tool": "pytest-precision run",
+        "checkpoint": os.fspath(options.directory),
+        "weights_sha256": digest,
+        "inputs_sha256": to_batch(inputs).digest(),
+        "text": options.text,
+        "seed": None if options.text else seed,
+    }
+    return ref
+
+
+def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> PrecisionReport:
+    """Run `pytest-precision run`: print the tables on `out`, progress on `err` (unless quiet; default stdout and
+    stderr), write the reference and output files asked for. Every refusal that needs no run comes before any
+    run."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    from .checkpoint import checked_device, open_checkpoint, quiet_transformers
+    from .progress import ProgressPrinter
+
+    variants = chosen_variants(options)
+    if options.reference is None:
+        input_shape(options)  # refuse bad shapes now, not after loading
+    device = checked_device(options.device)
+    check_backends(variants, device)
+    _check_files(options)
+    planned: list[tuple[Role, str]] = [("variant", v.name) for v in variants]
+    if options.reference is None:
+        planned.insert(0, ("reference", "fp32"))
+    printer = None if options.quiet else ProgressPrinter(err, live=err.isatty(), planned=planned)
+    with quiet_transformers():
+        checkpoint = open_checkpoint(options.directory)
+        try:
+            return _measured(options, checkpoint, variants, device, printer, out)
+        finally:
+            if printer is not None:
+                printer.close()
+
+
+def _measured(
+    options: RunOptions,
+    checkpoint: Checkpoint,
+    variants: list[Variant],
+    device: torch.device,
+    printer: ProgressPrinter | None,
+    out: TextIO,
+) -> PrecisionReport:
+    """The reference (computed and maybe saved, or loaded), the variants against it, the tables and files."""
+    from .checkpoint import weights_digest
+    from .comparison import compare
+
+    def note(text: str) -> None:
+        if printer is not None:
+            printer.note(text)
+
+    digest = None
+    if options.reference is not None or options.save_reference is not None:
+        note(f"checkpoint {options.directory}: hashing its weights (to record or check which model a reference is of)")
+        digest = weights_digest(options.directory)
+    if options.reference is not None:
+        assert digest is not None
+        note(f"loading the reference {options.reference}")
+        ref = _loaded_reference(options, checkpoint, digest, device)
+    else:
+        ref = _computed_reference(options, checkpoint, digest, device, printer)
+        if options.save_reference is not None:
+            _save_reference(ref, options.save_reference)
+            size = options.save_reference.stat().st_size / 2**20
+            note(f"saved the reference to {options.save_reference} ({size:.1f} MiB)")
+    report = compare(ref, variants=variants, loss_scale=options.loss_scale, isolate=options.isolate, progress=printer)
+    out.write(report.format(full=options.full) + "\n")
+    out.flush()
+    if options.output_dir is not None:
+        from .run_outputs import write_outputs
+
+        written = write_outputs(
+            options.output_dir,
+            report,
+            label=f"run {options.directory}",
+            inputs={k: v for k, v in ref.batch.kwargs.items() if hasattr(v, "shape")},
+            command=_command_record(options, variants),
+        )
+        shown = ", ".join(os.path.relpath(path, options.output_dir) for path in written)
+        note(f"wrote {len(written)} files to {options.output_dir}: {shown}")
+    return report
+
+
+def _command_record(options: RunOptions, variants: list[Variant]) -> dict[str, Any]:
+    """The run's options as JSON, for precision-report.json."""
+    return {
+        "checkpoint": os.fspath(options.directory),
+        "variants": [v.to_dict() for v in variants],
+        "reference": None if options.reference is None else os.fspath(options.reference),
+        "text": options.text,
+        "device": options.device,
+        "modules": None if options.modules is None else list(options.modules),
+        "loss_scale": options.loss_scale,
+        "isolate": options.isolate,
+    }
+
+
+__all__ = ["RunOptions", "chosen_variants", "input_shape", "run_checkpoint"]

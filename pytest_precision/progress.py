@@ -1,0 +1,207 @@
+"""Progress of a comparison: events from `compare` / `reference`, and the CLI's stderr rendering of them.
+
+`compare(..., progress=callback)` and `reference(..., progress=callback)` call `callback(event)` with a
+`ProgressEvent` when a run starts a phase: "build" (the run's model), "forward", "backward", "measure" (the
+run's one device-to-host copy of its statistics), and "done" with the run's wall time. A variant that needs
+more passes (fp16 loss-scale retries, repeats, the isolated pass, the NaN/Inf diagnosis) goes through the
+phases again under the same run. Events add no host synchronisation: on a GPU a phase's start is when its
+kernels were queued, and "measure" is where the queue drains.
+
+`ProgressPrinter` is what `pytest-precision run` shows on stderr: a live bar on a terminal, one plain line
+per phase otherwise; with an estimate of the time left once a run has finished.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, TextIO
+
+Phase = Literal["build", "forward", "backward", "measure", "done"]
+Role = Literal["reference", "variant"]
+
+
+@dataclass(frozen=True)
+class ProgressEvent:
+    """One step of one run of a comparison.
+
+    run: the variant's name (the reference's own name, "fp32", for the reference run).
+    role: "reference" or "variant".
+    phase: "build", "forward", "backward", "measure", or "done" when the run (every pass of it) finished.
+    index, total: this run's position (1-based) among the runs of this call, and their number: the
+        reference counts only when the call runs it (not for compare(ref, ...) on a Reference).
+    seconds: for "done", the run's wall time in seconds; else None.
+    """
+
+    run: str
+    role: Role
+    phase: Phase
+    index: int
+    total: int
+    seconds: float | None = None
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+class RunProgress:
+    """The events of one run, sent to a ProgressCallback (or nowhere)."""
+
+    def __init__(self, callback: ProgressCallback | None, run: str, role: Role, index: int, total: int) -> None:
+        self._callback = callback
+        self._run = run
+        self._role = role
+        self._index = index
+        self._total = total
+        self._start = time.perf_counter()
+
+    def phase(self, phase: Phase) -> None:
+        if self._callback is not None:
+            self._callback(ProgressEvent(self._run, self._role, phase, self._index, self._total))
+
+    def done(self) -> None:
+        if self._callback is not None:
+            seconds = time.perf_counter() - self._start
+            self._callback(ProgressEvent(self._run, self._role, "done", self._index, self._total, seconds))
+
+
+def checked_callback(progress: object) -> ProgressCallback | None:
+    """`progress` when it is None or callable; anything else is a ConfigurationError."""
+    from .errors import ConfigurationError
+
+    if progress is not None and not callable(progress):
+        raise ConfigurationError(
+            f"progress must be a callable taking a ProgressEvent, or None; got {type(progress).__name__}"
+        )
+    return progress  # type: ignore[return-value]
+
+
+def duration(seconds: float) -> str:
+    """A wall time as people read it: 4.2s, 1m05s, 1h02m."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, rest = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{rest:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def remaining_estimate(finished: Sequence[float], left: int) -> float | None:
+    """Seconds left for `left` more runs: the mean of the finished runs' times each (None before any)."""
+    if not finished:
+        return None
+    return left * sum(finished) / len(finished)
+
+
+class ProgressPrinter:
+    """Render ProgressEvents on `stream` (stderr): a live bar rewritten in place when `live` (a terminal),
+    redrawn every `tick_seconds` so that its clock runs during a long phase; else one plain line per event
+    (the estimate of the time left on the lines of finished runs). `planned` names every run the command will
+    make, in order, as (role, name), so that the estimate covers the runs of later calls too (the reference,
+    then the variants).
+
+    `note(text)` prints a step of the command itself (loading, writing files) the same way. `close()` clears
+    the bar and stops its redrawing.
+    """
+
+    BAR_WIDTH = 24
+
+    def __init__(
+        self, stream: TextIO, *, live: bool, planned: Sequence[tuple[Role, str]], tick_seconds: float = 1.0
+    ) -> None:
+        self._stream = stream
+        self._live = live
+        self._planned = list(planned)
+        self._start = time.perf_counter()
+        self._finished: list[float] = []
+        #: The live bar's text (run and phase), while one is on the line.
+        self._live_text: str | None = None
+        #: The run under way and when its first event came.
+        self._current: tuple[str, str] | None = None
+        self._current_start = 0.0
+        # The redrawing thread and the events both write: one at a time.
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if live:
+            self._ticker = threading.Thread(target=self._tick, args=(tick_seconds,), daemon=True)
+            self._ticker.start()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
+
+    def _position(self, event: ProgressEvent) -> str:
+        label = f"{event.role} {event.run}"
+        if (event.role, event.run) in self._planned:
+            return f"{label} ({self._planned.index((event.role, event.run)) + 1}/{len(self._planned)})"
+        return label
+
+    def _left(self) -> str:
+        """ ", about T left": the runs not finished at the mean time of those that are, less the time the
+        current run has run already; "" before the first run finished and after the last."""
+        left = len(self._planned) - len(self._finished)
+        estimate = remaining_estimate(self._finished, left)
+        if estimate is None or left <= 0:
+            return ""
+        if self._current is not None:
+            estimate -= min(time.perf_counter() - self._current_start, estimate / left)
+        return f", about {duration(estimate)} left"
+
+    def _write_line(self, text: str) -> None:
+        if self._live_text is not None:
+            self._stream.write("\r\x1b[K")
+            self._live_text = None
+        self._stream.write(f"[{duration(self.elapsed()):>7}] {text}\n")
+        self._stream.flush()
+
+    def _draw_live(self) -> None:
+        assert self._live_text is not None
+        done = len(self._finished)
+        total = max(len(self._planned), 1)
+        filled = round(self.BAR_WIDTH * min(done, total) / total)
+        bar = "#" * filled + "-" * (self.BAR_WIDTH - filled)
+        self._stream.write(f"\r\x1b[K[{bar}] {done}/{total} {duration(self.elapsed())} {self._live_text}{self._left()}")
+        self._stream.flush()
+
+    def _tick(self, seconds: float) -> None:
+        while not self._stopped.wait(seconds):
+            with self._lock:
+                if self._live_text is not None:
+                    self._draw_live()
+
+    def __call__(self, event: ProgressEvent) -> None:
+        with self._lock:
+            if event.phase == "done":
+                self._finished.append(event.seconds or 0.0)
+                self._current = None
+                self._write_line(f"{self._position(event)}: done in {duration(event.seconds or 0.0)}{self._left()}")
+                return
+            if self._current != (event.role, event.run):
+                self._current = (event.role, event.run)
+                self._current_start = time.perf_counter()
+            if self._live:
+                self._live_text = f"{self._position(event)}: {event.phase}"
+                self._draw_live()
+            else:
+                self._write_line(f"{self._position(event)}: {event.phase}")
+
+    def note(self, text: str) -> None:
+        with self._lock:
+            self._write_line(text)
+
+    def close(self) -> None:
+        """Stop redrawing and clear a live bar left on the line."""
+        self._stopped.set()
+        if self._ticker is not None:
+            self._ticker.join()
+        with self._lock:
+            if self._live_text is not None:
+                self._stream.write("\r\x1b[K")
+                self._stream.flush()
+                self._live_text = None
+
+
+__all__ = ["ProgressCallback", "ProgressEvent", "ProgressPrinter", "RunProgress", "remaining_estimate"]

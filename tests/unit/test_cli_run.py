@@ -1,0 +1,453 @@
+"""`pytest-precision run` as an investigation tool, on the bundled checkpoints: progress on stderr, the files
+of --output-dir read back, a saved reference reused (and refused on other weights, inputs or settings),
+variants from a file, and the knobs (--tokens, --modules, --temperature, --loss-scale, --forward-only)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import TINY_LLAMA_DIR, TRAINED_LM_DIR
+from pytest_precision import compare_logprobs
+from pytest_precision.cli import main
+from pytest_precision.report_files import reports_in
+
+CORPUS = TRAINED_LM_DIR / "corpus.txt"
+LENGTH = 24
+#: A progress line: "[   1.2s] reference fp32 (1/3): forward".
+PROGRESS_LINE = re.compile(r"^\[ *[0-9.]+[hms][0-9hms]*\] (.*)$")
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def progress(self) -> list[str]:
+        """The progress lines' text, without the elapsed time."""
+        return [m.group(1) for line in self.err.splitlines() if (m := PROGRESS_LINE.match(line))]
+
+    @property
+    def error(self) -> str:
+        """stderr without progress lines: the error message, if any."""
+        return "\n".join(line for line in self.err.splitlines() if not PROGRESS_LINE.match(line))
+
+
+def run(*args: str | Path) -> Result:
+    """`pytest-precision run ARGS` in this process (stderr is not a terminal: plain progress lines)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["run", *map(str, args)])
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Result, Path, Path]:
+    """A full run on the trained LM's text: progress, --output-dir and --save-reference."""
+    folder = tmp_path_factory.mktemp("first")
+    output, reference = folder / "out", folder / "ref.safetensors"
+    result = run(
+        TRAINED_LM_DIR, "--text", CORPUS, "--length", LENGTH, "--output-dir", output, "--save-reference", reference
+    )
+    assert result.code == 0, result.err
+    return result, output, reference
+
+
+def test_progress_names_each_run_and_phase_and_estimates_the_rest(first: tuple[Result, Path, Path]) -> None:
+    result, output, reference = first
+    lines = result.progress
+    assert lines[0].startswith(f"checkpoint {TRAINED_LM_DIR}: hashing its weights")
+    runs = [line for line in lines if line.startswith(("reference ", "variant "))]
+    assert runs == [
+        "reference fp32 (1/3): build",
+        "reference fp32 (1/3): forward",
+        "reference fp32 (1/3): backward",
+        "reference fp32 (1/3): measure",
+        runs[4],
+        "variant bf16 (2/3): build",
+        "variant bf16 (2/3): forward",
+        "variant bf16 (2/3): backward",
+        "variant bf16 (2/3): measure",
+        runs[9],
+        *runs[10:],
+    ]
+    assert re.fullmatch(r"reference fp32 \(1/3\): done in [0-9.]+s, about [0-9.]+s left", runs[4])
+    assert re.fullmatch(r"variant bf16 \(2/3\): done in [0-9.]+s, about [0-9.]+s left", runs[9])
+    assert re.fullmatch(r"variant fp16 \(3/3\): done in [0-9.]+s", runs[-1])  # nothing left: no estimate
+    assert f"saved the reference to {reference} (" in "\n".join(lines)
+    assert lines[-1].startswith(f"wrote 7 files to {output}: precision-report.json, summary.md, error-vs-depth.png, ")
+    assert "Loading weights" not in result.err  # transformers' own bars are off during the run
+    assert result.error == ""
+    assert result.out.startswith("precision: rms_rel against the fp32 reference on cpu")
+
+
+def test_the_report_file_is_a_session_report_with_the_printed_numbers(first: tuple[Result, Path, Path]) -> None:
+    result, output, _ = first
+    document = json.loads((output / "precision-report.json").read_text())
+    assert document["schema_version"] == 1 and document["stale"] == [] and document["drift"] == {}
+    assert document["environment"]["torch"] == torch.__version__ and document["environment"]["date"]
+    assert [v["name"] for v in document["command"]["variants"]] == ["bf16", "fp16"]
+    (label, report), *others = reports_in(output / "precision-report.json").items()
+    assert not others and label == f"run {TRAINED_LM_DIR}"
+    assert report.variants == ["bf16", "fp16"]
+    assert report.format(full=False) in result.out  # what was printed is what was written
+    assert {r.kind for r in report.records("bf16")} >= {"fw", "bw", "grad", "logprob", "loss"}
+
+
+def test_the_summary_links_the_plot_and_holds_the_propagation_tables(first: tuple[Result, Path, Path]) -> None:
+    _, output, _ = first
+    summary = (output / "summary.md").read_text()
+    assert summary.startswith(f"## Precision of run {TRAINED_LM_DIR}\n")
+    assert "Plot: [error-vs-depth.png](error-vs-depth.png)." in summary
+    assert "| fw | first (model.embed_tokens) |" in summary and "| bf16 |" in summary
+    assert (output / "error-vs-depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (_, report), *_ = reports_in(output / "precision-report.json").items()
+    logprob, loss = report.get("bf16", "logprob", "logprob"), report.get("bf16", "loss", "loss")
+    assert f"| bf16 | {logprob.rms_rel:.3%} | {logprob.delta_mean:.3g} | {logprob.delta_rms:.3g} | " in summary
+    assert f" | {loss.rms_rel:.3%} |\n" in summary
+
+
+def test_the_inputs_file_holds_the_exact_tokens_of_the_text(first: tuple[Result, Path, Path]) -> None:
+    from transformers import AutoTokenizer
+
+    from pytest_precision.inputs import from_text
+
+    _, output, _ = first
+    saved = load_file(output / "inputs.safetensors")
+    tokenizer = AutoTokenizer.from_pretrained(TRAINED_LM_DIR)
+    expected = from_text(tokenizer, CORPUS.read_text(encoding="utf-8"), 2, LENGTH)
+    assert sorted(saved) == ["input_ids", "labels"]
+    assert torch.equal(saved["input_ids"], expected) and torch.equal(saved["labels"], expected)
+
+
+def test_the_logprob_files_are_aligned_for_compare_logprobs(first: tuple[Result, Path, Path]) -> None:
+    """Each run's chosen-token log-probs, (batch, length - 1) float64; the reference's equal an independent
+    float64 log_softmax of the fp32 model's logits on the saved tokens, and compare_logprobs of two files
+    gives the report's own logprob row."""
+    from transformers import AutoModelForCausalLM
+
+    _, output, _ = first
+    files = sorted(p.name for p in (output / "logprobs").iterdir())
+    assert files == ["bf16.npy", "fp16.npy", "reference.npy"]
+    reference = np.load(output / "logprobs" / "reference.npy")
+    assert reference.shape == (2, LENGTH - 1) and reference.dtype == np.float64
+    ids = load_file(output / "inputs.safetensors")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.double()
+    expected = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
+    np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5)
+    (_, report), *_ = reports_in(output / "precision-report.json").items()
+    for variant in ("bf16", "fp16"):
+        pair = compare_logprobs(output / "logprobs" / f"{variant}.npy", output / "logprobs" / "reference.npy")
+        mine, theirs = pair.records("a")[0], report.get(variant, "logprob", "logprob")
+        assert mine.count == theirs.count == 2 * (LENGTH - 1)
+        assert mine.rms_rel == pytest.approx(theirs.rms_rel, rel=1e-5)
+        assert mine.delta_mean == pytest.approx(theirs.delta_mean, rel=1e-5)
+
+
+def test_a_saved_reference_runs_only_the_new_variants_with_the_same_numbers(
+    first: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    _, output, reference = first
+    again = run(
+        TRAINED_LM_DIR, "--reference", reference, "--variants", "bf16,bf16_fp32_head", "--output-dir", tmp_path / "out"
+    )
+    assert again.code == 0, again.err
+    assert not any(line.startswith("reference ") for line in again.progress)
+    assert f"loading the reference {reference}" in again.progress
+    assert next(line for line in again.progress if ": done in " in line).startswith("variant bf16 (1/2): done in ")
+    (_, fresh), *_ = reports_in(output / "precision-report.json").items()
+    (_, reused), *_ = reports_in(tmp_path / "out" / "precision-report.json").items()
+    assert reused.variants == ["bf16", "bf16_fp32_head"]
+    assert [r.to_dict() for r in reused.records("bf16")] == [r.to_dict() for r in fresh.records("bf16")]
+    # The reference's inputs came from the file: the same tokens, the same reference log-probs.
+    assert torch.equal(
+        load_file(tmp_path / "out" / "inputs.safetensors")["input_ids"],
+        load_file(output / "inputs.safetensors")["input_ids"],
+    )
+    assert np.array_equal(
+        np.load(tmp_path / "out" / "logprobs" / "reference.npy"), np.load(output / "logprobs" / "reference.npy")
+    )
+
+
+def changed_copy(folder: Path) -> Path:
+    """The trained LM with one weight nudged: the same architecture, other weights."""
+    copy = shutil.copytree(TRAINED_LM_DIR, folder / "nudged")
+    weights = load_file(copy / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.001
+    save_file(weights, copy / "model.safetensors", metadata={"format": "pt"})
+    return copy
+
+
+def test_a_reference_of_other_weights_is_refused_before_any_variant_runs(
+    first: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    _, _, reference = first
+    for checkpoint in (changed_copy(tmp_path), TINY_LLAMA_DIR):
+        result = run(checkpoint, "--reference", reference, "--variants", "bf16")
+        assert result.code == 2
+        assert result.error.startswith(f"pytest-precision run: --reference {reference} was computed from other weights")
+        assert f"{TRAINED_LM_DIR} with weights digest" in result.error and str(checkpoint) in result.error
+        assert not any(line.startswith("variant ") for line in result.progress)
+
+
+def test_a_reference_of_other_inputs_or_settings_is_refused(first: tuple[Result, Path, Path]) -> None:
+    _, _, reference = first
+    refusals = {
+        ("--length", "16"): "other inputs than --length 16 make: it holds input_ids 2x24, labels 2x24, these are "
+        "input_ids 2x16",
+        ("--text", TRAINED_LM_DIR / "SOURCE.md", "--length", str(LENGTH)): "(same shapes, other tokens)",
+        ("--seed", "3"): "other inputs than --seed 3 make",
+        ("--forward-only",): "other settings than --forward-only (it ran with backward)",
+        ("--modules", "lm_head"): "other settings than --modules (it captured the default)",
+        ("--temperature", "2"): "other settings than --temperature (it used 1.0)",
+        ("--save-reference", "x.safetensors"): "--reference and --save-reference: give one",
+    }
+    for options, message in refusals.items():
+        result = run(TRAINED_LM_DIR, "--reference", reference, *options)
+        assert result.code == 2, options
+        assert message in result.error, (options, result.error)
+    # The same inputs given again are accepted.
+    same = run(
+        TRAINED_LM_DIR,
+        "--reference",
+        reference,
+        "--text",
+        CORPUS,
+        "--length",
+        LENGTH,
+        "--batch",
+        "2",
+        "--variants",
+        "bf16",
+        "--quiet",
+    )
+    assert same.code == 0, same.err
+
+
+def test_a_reference_saved_without_a_checkpoint_digest_is_refused(tmp_path: Path) -> None:
+    """A Reference.save from Python records no digest: it cannot be checked, so it is not used."""
+    import pytest_precision
+    from conftest import load_trained_lm
+
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    ref = pytest_precision.reference(load_trained_lm, {"input_ids": ids, "labels": ids})
+    ref.save(tmp_path / "python.safetensors")
+    result = run(TRAINED_LM_DIR, "--reference", tmp_path / "python.safetensors")
+    assert result.code == 2 and "records no checkpoint digest" in result.error
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"not a safetensors file")
+    result = run(TRAINED_LM_DIR, "--reference", garbage)
+    assert result.code == 2
+    assert result.error.startswith(f"pytest-precision run: --reference {garbage}: Reference.load('{garbage}'): not a ")
+    assert result.error.endswith("; write a new one with --save-reference")
+    result = run(TRAINED_LM_DIR, "--reference", tmp_path / "absent.safetensors")
+    assert result.code == 2 and "no such file; write one with --save-reference" in result.error
+
+
+def test_a_non_empty_output_dir_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    result = run(TINY_LLAMA_DIR, "--length", "8", "--output-dir", output)
+    assert result.code == 2
+    assert result.error == (
+        f"pytest-precision run: --output-dir {output} is not empty: an earlier run's files would sit beside this "
+        "run's and be read as its; choose a new folder, or pass --overwrite to replace the files a run writes there"
+    )
+    assert result.progress == []  # refused before loading anything
+    (tmp_path / "file").write_text("")
+    assert "a file is in its place" in run(TINY_LLAMA_DIR, "--output-dir", tmp_path / "file").error
+
+
+def test_overwrite_replaces_an_earlier_runs_files_and_nothing_else(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    assert run(TINY_LLAMA_DIR, "--length", "8", "--variants", "fp16", "--output-dir", output, "--quiet").code == 0
+    assert (output / "logprobs" / "fp16.npy").is_file()
+    (output / "notes.txt").write_text("mine")
+    result = run(TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--output-dir", output, "--overwrite")
+    assert result.code == 0, result.err
+    assert sorted(p.name for p in (output / "logprobs").iterdir()) == ["bf16.npy", "reference.npy"]
+    assert (output / "notes.txt").read_text() == "mine"
+    (_, report), *_ = reports_in(output / "precision-report.json").items()
+    assert report.variants == ["bf16"]
+
+
+def test_save_reference_refuses_to_replace_a_file_unless_overwrite(tmp_path: Path) -> None:
+    target = tmp_path / "ref.safetensors"
+    target.write_bytes(b"precious")
+    result = run(TINY_LLAMA_DIR, "--length", "8", "--save-reference", target)
+    assert result.code == 2 and f"--save-reference {target} exists; pass --overwrite" in result.error
+    assert target.read_bytes() == b"precious"
+    assert run(TINY_LLAMA_DIR, "--length", "8", "--save-reference", target, "--overwrite", "--quiet").code == 0
+    assert target.read_bytes()[:8] != b"precious"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary file left
+    missing = run(TINY_LLAMA_DIR, "--save-reference", tmp_path / "no" / "ref.safetensors")
+    assert missing.code == 2 and "does not exist" in missing.error
+
+
+def test_quiet_prints_no_progress() -> None:
+    result = run(TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--quiet", "--forward-only")
+    assert result.code == 0 and result.err == ""
+
+
+def test_tokens_sets_the_length_from_the_total(tmp_path: Path) -> None:
+    result = run(
+        TINY_LLAMA_DIR,
+        "--tokens",
+        "24",
+        "--batch",
+        "3",
+        "--variants",
+        "bf16",
+        "--forward-only",
+        "--quiet",
+        "--output-dir",
+        tmp_path / "out",
+    )
+    assert result.code == 0, result.err
+    assert load_file(tmp_path / "out" / "inputs.safetensors")["input_ids"].shape == (3, 8)
+    both = run(TINY_LLAMA_DIR, "--tokens", "24", "--length", "8")
+    assert both.code == 2 and "--tokens 24 and --length 8 both set the sequence length" in both.error
+    odd = run(TINY_LLAMA_DIR, "--tokens", "25", "--batch", "2")
+    assert odd.code == 2 and "--tokens 25 must be a multiple of --batch 2" in odd.error
+
+
+def test_modules_forward_only_temperature_and_loss_scale_reach_the_runs(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    result = run(
+        TRAINED_LM_DIR,
+        "--length",
+        "8",
+        "--variants",
+        "fp16",
+        "--modules",
+        "model.layers.[0-9]+",
+        "--modules",
+        "lm_head",
+        "--temperature",
+        "2",
+        "--loss-scale",
+        "1024",
+        "--output-dir",
+        output,
+    )
+    assert result.code == 0, result.err
+    (_, report), *_ = reports_in(output / "precision-report.json").items()
+    fw = [r.name for r in report.records("fp16", "fw")]
+    assert fw == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3", "lm_head"]
+    assert report.runs["fp16"].loss_scale == 1024
+    ids = load_file(output / "inputs.safetensors")["input_ids"]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.double() / 2
+    expected = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
+    np.testing.assert_allclose(np.load(output / "logprobs" / "reference.npy"), expected, rtol=1e-5, atol=1e-5)
+    forward = run(
+        TRAINED_LM_DIR, "--length", "8", "--variants", "bf16", "--forward-only", "--output-dir", tmp_path / "fw"
+    )
+    assert forward.code == 0
+    assert not any(": backward" in line for line in forward.progress)
+    (_, report), *_ = reports_in(tmp_path / "fw" / "precision-report.json").items()
+    assert {r.kind for r in report.records("bf16")} == {"fw", "logprob", "loss"}
+
+
+def test_bad_knob_values_are_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    for options, message in {
+        ("--temperature", "0"): "argument --temperature: '0' must be a finite number > 0",
+        ("--temperature", "nan"): "argument --temperature: 'nan' must be a finite number > 0",
+        ("--loss-scale", "-1"): "argument --loss-scale: '-1' must be a finite number > 0 or 'calibrate'",
+        ("--modules", "("): "argument --modules: '(' is not a regex",
+    }.items():
+        with pytest.raises(SystemExit) as stopped:
+            main(["run", str(TINY_LLAMA_DIR), *options])
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+def test_variants_from_a_file_mix_with_built_in_names(tmp_path: Path) -> None:
+    variants = tmp_path / "variants.json"
+    variants.write_text(json.dumps([{"name": "bf16_head32", "dtype": "bf16", "fp32_modules": ["<output head>"]}]))
+    output = tmp_path / "out"
+    result = run(
+        TRAINED_LM_DIR,
+        "--length",
+        "8",
+        "--variants",
+        "bf16",
+        "--variants-file",
+        variants,
+        "--forward-only",
+        "--output-dir",
+        output,
+    )
+    assert result.code == 0, result.err
+    assert "variant bf16_head32 (3/3): done in " in "\n".join(result.progress)
+    (_, report), *_ = reports_in(output / "precision-report.json").items()
+    assert report.variants == ["bf16", "bf16_head32"]
+    assert report.runs["bf16_head32"].variant["fp32_modules"] == ["<output head>"]
+    # The fp32 head changes the head's error, not the first block's.
+    assert report.get("bf16_head32", "lm_head").rms_rel < report.get("bf16", "lm_head").rms_rel
+    assert report.get("bf16_head32", "model.layers.0").rms_rel == report.get("bf16", "model.layers.0").rms_rel
+    variants.write_text(json.dumps([{"name": "x", "dtype": "bf16", "precision": "high"}]))
+    bad = run(TRAINED_LM_DIR, "--variants-file", variants)
+    assert bad.code == 2 and bad.err.count("\n") == 1
+    assert bad.error.startswith(f"pytest-precision run: --variants-file {variants}, variant 1 ('x'): unknown field")
+
+
+def test_help_says_why_a_saved_reference_matters() -> None:
+    from pytest_precision.cli import build_parser
+
+    parser = build_parser()
+    run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    text = " ".join(run_parser.format_help().split())
+    assert "on a big model the fp32 reference is the most expensive run" in text
+    for option in (
+        "--save-reference PATH",
+        "--reference PATH",
+        "--variants-file FILE",
+        "--output-dir DIR",
+        "--overwrite",
+        "--quiet",
+        "--tokens N",
+        "--modules REGEX",
+        "--temperature T",
+        "--loss-scale SCALE",
+    ):
+        assert option in text
+
+
+def test_the_weights_are_hashed_only_for_a_reference_file_which_may_go_in_the_output_dir(tmp_path: Path) -> None:
+    plain = run(TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--forward-only")
+    assert plain.code == 0 and not any("hashing" in line for line in plain.progress)
+    output = tmp_path / "new" / "out"
+    saved = run(
+        TINY_LLAMA_DIR,
+        "--length",
+        "8",
+        "--variants",
+        "bf16",
+        "--forward-only",
+        "--output-dir",
+        output,
+        "--save-reference",
+        output / "ref.safetensors",
+    )
+    assert saved.code == 0, saved.err
+    assert any("hashing its weights" in line for line in saved.progress)
+    assert (output / "ref.safetensors").is_file() and (output / "precision-report.json").is_file()
