@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,18 +96,20 @@ def _loading(what: str, load: Any) -> Any:
         raise PrecisionError(f"cannot load {what}: {type(error).__name__}: {_one_line(error)}") from None
 
 
-#: Files that define a checkpoint's model: its configuration and weights (not the tokenizer: the inputs
-#: are checked apart, by their own digest).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+#: The weight files transformers reads, by name: model.safetensors, pytorch_model.bin, ... and their shards
+#: (model-00001-of-00004.safetensors). Other files in the folder (a saved reference, inputs.safetensors of a
+#: run, a tokenizer) are not the model's and must not change its digest.
+WEIGHT_FILE = re.compile(
+    r"(model|pytorch_model|tf_model|flax_model)(-\d+-of-\d+)?\.(safetensors|bin|h5|msgpack)(\.index\.json)?"
+)
 
 
 def weight_files(directory: Path) -> list[Path]:
-    """config.json, weight index files and weight files of a checkpoint folder, sorted by name."""
+    """config.json and the weight files (and shard indexes) of a checkpoint folder, sorted by name."""
     files = [
         path
         for path in directory.iterdir()
-        if path.is_file()
-        and (path.name == "config.json" or path.name.endswith(".index.json") or path.suffix in WEIGHT_SUFFIXES)
+        if path.is_file() and (path.name == "config.json" or WEIGHT_FILE.fullmatch(path.name))
     ]
     return sorted(files, key=lambda path: path.name)
 

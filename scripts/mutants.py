@@ -1044,4 +1044,11 @@ MUTANTS: list[Mutant] = [
         "--tokens not a multiple of --batch silently drops tokens",
         "tests/unit/test_cli_run.py",
     ),
+    _m(
+        "checkpoint.py",
+        '        if path.is_file() and (path.name == "config.json" or WEIGHT_FILE.fullmatch(path.name))',
+        '        if path.is_file() and (path.name == "config.json" or path.suffix == ".safetensors")',
+        "a reference saved beside the weights changes the checkpoint's digest",
+        "tests/unit/test_cli_run.py",
+    ),
 ]

@@ -451,3 +451,18 @@ def test_the_weights_are_hashed_only_for_a_reference_file_which_may_go_in_the_ou
     assert saved.code == 0, saved.err
     assert any("hashing its weights" in line for line in saved.progress)
     assert (output / "ref.safetensors").is_file() and (output / "precision-report.json").is_file()
+
+
+def test_a_reference_saved_inside_the_checkpoint_folder_does_not_change_its_digest(tmp_path: Path) -> None:
+    """Only config.json and the files transformers loads weights from count: a reference file (or a run's
+    inputs.safetensors) written beside the weights leaves the checkpoint the same model."""
+    checkpoint = shutil.copytree(TINY_LLAMA_DIR, tmp_path / "ckpt")
+    reference = checkpoint / "reference.safetensors"
+    first = run(checkpoint, "--length", "8", "--variants", "bf16", "--forward-only", "--save-reference", reference)
+    assert first.code == 0, first.err
+    (checkpoint / "inputs.safetensors").write_bytes(b"anything")
+    again = run(checkpoint, "--reference", reference, "--variants", "fp16", "--quiet")
+    assert again.code == 0, again.err
+    (checkpoint / "config.json").write_text((checkpoint / "config.json").read_text().replace("1e-06", "1e-05"))
+    changed = run(checkpoint, "--reference", reference, "--variants", "fp16")
+    assert changed.code == 2 and "was computed from other weights" in changed.error
