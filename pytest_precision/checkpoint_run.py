@@ -268,11 +268,11 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
     """Run `pytest-precision run`: print the tables on `out`, progress on `err` (unless quiet; default stdout and
     stderr), write the reference and output files asked for. Every refusal that needs no run comes before any
     run."""
-    out = sys.stdout if out is None else out
-    err = sys.stderr if err is None else err
     from .checkpoint import checked_device, open_checkpoint, quiet_transformers
     from .progress import ProgressPrinter
 
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     variants = chosen_variants(options)
     if options.reference is None:
         input_shape(options)  # refuse bad shapes now, not after loading
@@ -284,8 +284,8 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
         planned.insert(0, ("reference", "fp32"))
     printer = None if options.quiet else ProgressPrinter(err, live=err.isatty(), planned=planned)
     with quiet_transformers():
-        checkpoint = open_checkpoint(options.directory)
         try:
+            checkpoint = open_checkpoint(options.directory)
             return _measured(options, checkpoint, variants, device, printer, out)
         finally:
             if printer is not None:
