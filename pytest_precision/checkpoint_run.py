@@ -334,6 +334,7 @@ def _measured(
             label=f"run {options.directory}",
             inputs={k: v for k, v in ref.batch.kwargs.items() if hasattr(v, "shape")},
             command=_command_record(options, variants),
+            overwrite=options.overwrite,
         )
         shown = ", ".join(os.path.relpath(path, options.output_dir) for path in written)
         note(f"wrote {len(written)} files to {options.output_dir}: {shown}")

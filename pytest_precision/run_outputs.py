@@ -40,17 +40,15 @@ OWN_FILES = (REPORT_FILE, SUMMARY_FILE, PLOT_FILE, INPUTS_FILE)
 
 def prepare_output_dir(directory: Path, *, overwrite: bool) -> None:
     """Check, before any run, that `directory` can take this run's files: absent or empty, or with
-    `overwrite` an earlier run's files, which are removed now. Refused: a file in its place, a non-empty
-    folder without `overwrite`."""
+    `overwrite` holding an earlier run's (removed by write_outputs once this run has succeeded, so that a
+    failed run loses nothing). Refused: a file in its place, a non-empty folder without `overwrite`."""
     if directory.exists() and not directory.is_dir():
         raise PrecisionError(f"--output-dir {directory}: a file is in its place; choose a folder")
-    if directory.is_dir() and any(directory.iterdir()):
-        if not overwrite:
-            raise PrecisionError(
-                f"--output-dir {directory} is not empty: an earlier run's files would sit beside this run's and "
-                "be read as its; choose a new folder, or pass --overwrite to replace the files a run writes there"
-            )
-        _remove_own_files(directory)
+    if not overwrite and directory.is_dir() and any(directory.iterdir()):
+        raise PrecisionError(
+            f"--output-dir {directory} is not empty: an earlier run's files would sit beside this run's and "
+            "be read as its; choose a new folder, or pass --overwrite to replace the files a run writes there"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".pytest-precision-write-check"
@@ -191,13 +189,17 @@ def write_outputs(
     label: str,
     inputs: Mapping[str, torch.Tensor],
     command: Mapping[str, Any],
+    overwrite: bool = False,
 ) -> list[Path]:
-    """Every file of the module docstring (the plot only with matplotlib); the paths written."""
+    """Every file of the module docstring (the plot only with matplotlib), after removing an earlier run's
+    when `overwrite`; the paths written."""
     from .baseline import json_ready, write_atomically
     from .environment import session_environment
     from .plots import plot_error_vs_depth
     from .summary import markdown_summary
 
+    if overwrite:
+        _remove_own_files(directory)
     document = report_document(report, label, session_environment(Path.cwd(), report.device), command)
     written = []
     path = directory / REPORT_FILE

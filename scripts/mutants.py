@@ -1004,8 +1004,8 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "run_outputs.py",
-        "    if directory.is_dir() and any(directory.iterdir()):",
-        "    if directory.is_dir() and (directory / REPORT_FILE).exists():",
+        "    if not overwrite and directory.is_dir() and any(directory.iterdir()):",
+        "    if not overwrite and directory.is_dir() and (directory / REPORT_FILE).exists():",
         "a folder holding other files is written into",
         "tests/unit/test_cli_run.py",
     ),

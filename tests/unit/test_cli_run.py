@@ -284,6 +284,15 @@ def test_overwrite_replaces_an_earlier_runs_files_and_nothing_else(tmp_path: Pat
     assert (output / "notes.txt").read_text() == "mine"
     (_, report), *_ = reports_in(output / "precision-report.json").items()
     assert report.variants == ["bf16"]
+    # A run that fails (a NaN weight: no finite reference) loses nothing of the earlier run.
+    broken = shutil.copytree(TINY_LLAMA_DIR, tmp_path / "nan")
+    weights = load_file(broken / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    failed = run(broken, "--length", "8", "--variants", "fp16", "--output-dir", output, "--overwrite")
+    assert failed.code == 2 and "the fp32 reference is not finite" in failed.error
+    assert sorted(p.name for p in (output / "logprobs").iterdir()) == ["bf16.npy", "reference.npy"]
+    assert (output / "precision-report.json").is_file() and (output / "notes.txt").read_text() == "mine"
 
 
 def test_save_reference_refuses_to_replace_a_file_unless_overwrite(tmp_path: Path) -> None:
