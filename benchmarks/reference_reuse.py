@@ -1,11 +1,12 @@
 """What `pytest-precision run --reference` saves: `python benchmarks/reference_reuse.py [--quick] [--rounds N]`.
 
-A randomly initialised Llama of SmolLM2-135M's configuration (30 layers, hidden 576, vocabulary 49152, tied
-embeddings; --quick: 4 layers) is saved to a temporary folder as a checkpoint. One `run --save-reference`
-writes the reference; then, in alternating order per round, the same one-variant run (bf16, 1 x 512 tokens,
-forward and backward) is timed fresh (the fp32 reference runs again) and with `--reference` (it is loaded
-and checked). Each is a whole command in its own process, as a user runs it: startup, imports, weights
-hashing and loading included. Printed: the median wall time of each, their ratio, and the reference file's size.
+A randomly initialised Llama of SmolLM2-135M's configuration (benchmarks/run.py's `build_smol`: 30 layers,
+hidden 576, vocabulary 49152, tied embeddings; --quick: 4 layers) is saved to a temporary folder as a
+checkpoint. One `run --save-reference` writes the reference; then, in alternating order per round, the same
+one-variant run (bf16, 1 x 512 tokens, forward and backward) is timed fresh (the fp32 reference runs again)
+and with `--reference` (it is loaded and checked). Each is a whole command in its own process, as a user runs
+it: startup, imports, weights hashing and loading included. Printed: the median wall time of each, their
+ratio, and the reference file's size.
 """
 
 from __future__ import annotations
@@ -20,22 +21,12 @@ from pathlib import Path
 
 
 def make_checkpoint(folder: Path, *, layers: int) -> Path:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """benchmarks/run.py's SmolLM2-135M-shaped Llama (random weights, seed 0) with `layers` layers, saved."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import run as bench  # benchmarks/run.py: SMOL and build_smol
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=layers,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-    )
     path = folder / "smol-shaped"
-    LlamaForCausalLM(config).save_pretrained(path)
+    bench.build_smol({**bench.SMOL, "layers": layers}).save_pretrained(path)
     return path
 
 

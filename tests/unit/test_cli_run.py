@@ -132,23 +132,28 @@ def test_the_inputs_file_holds_the_exact_tokens_of_the_text(first: tuple[Result,
     assert torch.equal(saved["input_ids"], expected) and torch.equal(saved["labels"], expected)
 
 
+def float64_logprobs(ids: torch.Tensor, *, temperature: float = 1.0) -> np.ndarray:
+    """The trained LM's chosen-token log-probs of `ids`, computed independently: the fp32 model's logits over
+    `temperature`, log_softmax in float64, the next token's entry; (batch, length - 1)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.double() / temperature
+    return torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
+
+
 def test_the_logprob_files_are_aligned_for_compare_logprobs(first: tuple[Result, Path, Path]) -> None:
     """Each run's chosen-token log-probs, (batch, length - 1) float64; the reference's equal an independent
     float64 log_softmax of the fp32 model's logits on the saved tokens, and compare_logprobs of two files
     gives the report's own logprob row."""
-    from transformers import AutoModelForCausalLM
-
     _, output, _ = first
     files = sorted(p.name for p in (output / "logprobs").iterdir())
     assert files == ["bf16.npy", "fp16.npy", "reference.npy"]
     reference = np.load(output / "logprobs" / "reference.npy")
     assert reference.shape == (2, LENGTH - 1) and reference.dtype == np.float64
     ids = load_file(output / "inputs.safetensors")["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.double()
-    expected = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
-    np.testing.assert_allclose(reference, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(reference, float64_logprobs(ids), rtol=1e-5, atol=1e-5)
     (_, report), *_ = reports_in(output / "precision-report.json").items()
     for variant in ("bf16", "fp16"):
         pair = compare_logprobs(output / "logprobs" / f"{variant}.npy", output / "logprobs" / "reference.npy")
@@ -360,12 +365,7 @@ def test_modules_forward_only_temperature_and_loss_scale_reach_the_runs(tmp_path
     assert fw == ["model.layers.0", "model.layers.1", "model.layers.2", "model.layers.3", "lm_head"]
     assert report.runs["fp16"].loss_scale == 1024
     ids = load_file(output / "inputs.safetensors")["input_ids"]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(TRAINED_LM_DIR, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits.double() / 2
-    expected = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0].numpy()
+    expected = float64_logprobs(ids, temperature=2)
     np.testing.assert_allclose(np.load(output / "logprobs" / "reference.npy"), expected, rtol=1e-5, atol=1e-5)
     forward = run(
         TRAINED_LM_DIR, "--length", "8", "--variants", "bf16", "--forward-only", "--output-dir", tmp_path / "fw"
