@@ -22,9 +22,6 @@ import json
 import math
 import os
 import re
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -426,85 +423,6 @@ def _json_type(value: Any) -> str:
         return "null"
     names = {bool: "a boolean", str: "a string", list: "a list", dict: "an object", int: "a number"}
     return names.get(type(value), "a number" if isinstance(value, float) else type(value).__name__)
-
-
-#: Temporary files of write_atomically end with this; `*.precision-tmp` in .gitignore keeps leftovers of an
-#: interrupted write out of commits, and later writes remove them (remove_stale_temporaries).
-TEMPORARY_SUFFIX = ".precision-tmp"
-#: A temporary file older than this is a leftover even when a process of its writer's pid lives: a write
-#: takes milliseconds, and pids are reused.
-STALE_TEMPORARY_SECONDS = 600.0
-#: A leftover of a dead writer is removed only after this grace, so that a writer on another machine
-#: sharing the folder (whose pid means nothing here) can finish its write.
-DEAD_WRITER_GRACE_SECONDS = 10.0
-_TEMPORARY = re.compile(rf"^\..*\.(?P<pid>\d+)\.[A-Za-z0-9_]+{re.escape(TEMPORARY_SUFFIX)}$")
-
-
-def _process_alive(pid: int) -> bool:
-    if sys.platform == "win32":
-        return True  # os.kill(pid, 0) would terminate it there: rely on the age alone
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
-
-
-def remove_stale_temporaries(directory: Path, *, recursive: bool = False) -> list[Path]:
-    """Delete the leftovers of interrupted writes in `directory`: files named like write_atomically's
-    temporary files whose writer process is gone, or that are older than STALE_TEMPORARY_SECONDS. Those of a
-    writer still at work are kept. Returns the deleted paths."""
-    candidates = directory.rglob(f"*{TEMPORARY_SUFFIX}") if recursive else directory.glob(f"*{TEMPORARY_SUFFIX}")
-    now = time.time()
-    removed = []
-    try:
-        for path in sorted(candidates):
-            match = _TEMPORARY.match(path.name)
-            if match is None or path.is_symlink() or not path.is_file():
-                continue
-            age = now - path.stat().st_mtime
-            dead = age > DEAD_WRITER_GRACE_SECONDS and not _process_alive(int(match["pid"]))
-            if dead or age > STALE_TEMPORARY_SECONDS:
-                path.unlink(missing_ok=True)
-                removed.append(path)
-    except OSError:
-        pass  # an unreadable folder or a file removed meanwhile: the next write tries again
-    return removed
-
-
-def _temporary_prefix(name: str) -> str:
-    """ "." + the target's name (cut to 100 bytes, so the temporary name fits where the target fits) + pid."""
-    short = name.encode("utf-8", "surrogatepass")[:100].decode("utf-8", "ignore")
-    return f".{short}.{os.getpid()}."
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write via a temporary file in the same folder and os.replace: a reader sees the old or the new
-    content, never a part, and of two writers one complete document wins, also across processes.
-
-    The temporary file is .<name>.<pid>.<random>.precision-tmp; leftovers of interrupted writes in the folder
-    are removed first (remove_stale_temporaries).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path.parent)
-    descriptor, temporary = tempfile.mkstemp(
-        prefix=_temporary_prefix(path.name), suffix=TEMPORARY_SUFFIX, dir=path.parent
-    )
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        # mkstemp creates 0600; give the file the mode an ordinary write would (0666 less the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def document(report: PrecisionReport, test_id: str, environment: dict[str, Any]) -> dict[str, Any]:

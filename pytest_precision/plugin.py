@@ -463,7 +463,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return  # under torchrun, rank 0 alone writes files
     _record_test_outcomes(session, precision_session)
     if (precision_session.update or precision_session.prune) and is_folder(precision_session.baseline_dir):
-        from .baseline import remove_stale_temporaries
+        from .atomic_files import remove_stale_temporaries
 
         remove_stale_temporaries(precision_session.baseline_dir, recursive=True)
     if not is_partial_run(session, exitstatus):

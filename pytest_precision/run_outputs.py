@@ -193,7 +193,8 @@ def write_outputs(
 ) -> list[Path]:
     """Every file of the module docstring (the plot only with matplotlib), after removing an earlier run's
     when `overwrite`; the paths written."""
-    from .baseline import json_ready, write_atomically
+    from .atomic_files import write_atomically
+    from .baseline import json_ready
     from .environment import session_environment
     from .plots import plot_error_vs_depth
     from .summary import markdown_summary

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .atomic_files import write_atomically
 from .errors import BaselineError, ConfigurationError, PrecisionError
 
 if TYPE_CHECKING:
@@ -510,7 +511,7 @@ class PrecisionSession:
             if path.is_file() and baselines.numbers_unchanged(path, document):
                 return "unchanged"
             outcome = "updated" if path.exists() else "written"
-            baselines.write_atomically(path, baselines.render(document))
+            write_atomically(path, baselines.render(document))
         except OSError as error:
             where = error.filename2 or error.filename
             reason = f"{error.strerror or error}" + (f": {where}" if where else "")
@@ -634,7 +635,7 @@ class PrecisionSession:
         records; summary.md and the plots beside it."""
         if self.report_dir is None:
             return None
-        from .baseline import json_ready, write_atomically
+        from .baseline import json_ready
         from .environment import session_environment
 
         path = self.report_dir / "precision-report.json"

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from .baseline import write_atomically
+from .atomic_files import write_atomically
 from .report import PrecisionReport, Record
 from .tables import SUMMARY_KINDS, percent_column, summary_rows, summary_values
 from .tolerance import DEFAULT_METRICS, ToleranceRules, Violation, check_against_baseline

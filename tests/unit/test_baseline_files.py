@@ -12,18 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from pytest_precision import baseline as baselines
+from pytest_precision import atomic_files
+from pytest_precision.atomic_files import TEMPORARY_SUFFIX, remove_stale_temporaries, write_atomically
 from pytest_precision.baseline import (
     MAX_STEM_BYTES,
     SCHEMA_VERSION,
-    TEMPORARY_SUFFIX,
     baseline_stem,
     checked_stem,
     owned_document,
     parse_baseline_name,
-    remove_stale_temporaries,
     stem_problem,
-    write_atomically,
 )
 from pytest_precision.errors import ConfigurationError
 
@@ -206,7 +204,7 @@ def test_a_writer_between_the_data_and_the_rename_cannot_mix_documents(tmp_path,
 WRITER = """
 import sys
 from pathlib import Path
-from pytest_precision.baseline import write_atomically
+from pytest_precision.atomic_files import write_atomically
 for i in range(60):
     write_atomically(Path(sys.argv[1]), f"{sys.argv[2]}{i % 10}" * 50_000 + "\\n")
 """
@@ -286,4 +284,4 @@ def test_a_recursive_sweep_finds_leftovers_in_subfolders(tmp_path):
 
 def test_an_unreadable_folder_is_not_an_error(tmp_path):
     assert remove_stale_temporaries(tmp_path / "missing", recursive=True) == []
-    assert baselines.STALE_TEMPORARY_SECONDS >= 60
+    assert atomic_files.STALE_TEMPORARY_SECONDS >= 60

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
+from pytest_precision.atomic_files import write_atomically
 from pytest_precision.baseline import (
     baseline_path,
     baseline_stem,
     document,
     render,
     report_from_document,
-    write_atomically,
 )
 from pytest_precision.cli import main
 
