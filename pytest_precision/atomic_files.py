@@ -2,17 +2,26 @@
 the umask's ordinary mode, then os.replace. A reader sees the old or the new content, never a part; of two
 writers one whole file wins, also across processes; and no writer differs in mode, durability or the name of
 its temporary file.
+
+The one other way a file is made here is `claim_exclusively`: a claim file created only where none is (O_EXCL),
+by which one process holds a folder (`pytest-precision run --output-dir`) against others until it ends.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import re
+import secrets
+import socket
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 #: Temporary files of write_atomically end with this; `*.precision-tmp` in .gitignore keeps leftovers of an
 #: interrupted write out of commits, and later writes remove them (remove_stale_temporaries).
@@ -111,3 +120,154 @@ def write_atomically(path: Path, content: Content, *, make_parents: bool = True)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+#: A claim file whose content cannot be read yet, younger than this, is being written by its creator just now
+#: (creating and writing it are two steps); older, its creator died in between.
+CLAIM_STARTING_SECONDS = 10.0
+#: Taking over a dead process's claim takes milliseconds: a takeover file older than this was left by a process
+#: killed meanwhile.
+STALE_TAKEOVER_SECONDS = 10.0
+#: How often a claim is tried before giving up, while other processes take over a dead claim at the same time.
+CLAIM_ATTEMPTS = 50
+_TAKEOVER_SUFFIX = ".takeover"
+
+
+def create_exclusively(path: Path, content: str) -> bool:
+    """Create `path` holding `content` (UTF-8) only when nothing is there: True when created, False when a file
+    was there already. O_CREAT | O_EXCL makes this atomic, also across processes; the umask's ordinary mode,
+    fsynced."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    try:
+        descriptor = os.open(path, flags, 0o666)  # less the umask: ordinary_mode()
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(content.encode("utf-8"))
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    return True
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a claim file: its process id, host and start time (ISO 8601, UTC); None where the file says
+    nothing readable (being written, or not a claim)."""
+
+    pid: int | None
+    host: str | None
+    started: str | None
+
+
+@dataclass(frozen=True)
+class Claim:
+    """This process's exclusive hold on the claim file `path`, until release() (also as a context manager)."""
+
+    path: Path
+    token: str
+
+    def release(self) -> None:
+        """Remove the claim file while it is still this claim's; again, or once taken over, nothing."""
+        seen = _claim_state(self.path)
+        if seen is not None and _claim_record(seen[0]).get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _claim_state(path: Path) -> tuple[str, int, float] | None:
+    """(content, inode, age in seconds) of a claim file, None when there is none."""
+    try:
+        with open(path, "rb") as handle:
+            content = handle.read().decode("utf-8", "replace")
+            status = os.fstat(handle.fileno())
+    except FileNotFoundError:
+        return None
+    return content, status.st_ino, time.time() - status.st_mtime
+
+
+def _claim_record(content: str) -> dict[str, Any]:
+    try:
+        record = json.loads(content)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _holder(content: str) -> Holder:
+    record = _claim_record(content)
+    pid, host, started = record.get("pid"), record.get("host"), record.get("started")
+    return Holder(
+        pid if isinstance(pid, int) else None,
+        host if isinstance(host, str) else None,
+        started if isinstance(started, str) else None,
+    )
+
+
+def _holder_gone(holder: Holder, age_s: float) -> bool:
+    """Whether a claim's process has ended: on this host, its pid is gone; a claim saying nothing readable is
+    gone once older than CLAIM_STARTING_SECONDS. A process on another host sharing the folder cannot be
+    checked: it is taken to live."""
+    if holder.pid is None or holder.host is None:
+        return age_s > CLAIM_STARTING_SECONDS
+    return holder.host == socket.gethostname() and not _process_alive(holder.pid)
+
+
+def _take_over(path: Path, seen: tuple[str, int, float]) -> None:
+    """Remove the dead claim `seen` at `path`, holding the takeover file meanwhile so that of two processes
+    taking over at once only one removes it (the other would remove the claim the first has made since)."""
+    guard = path.with_name(path.name + _TAKEOVER_SUFFIX)
+    if not create_exclusively(guard, json.dumps({"pid": os.getpid(), "host": socket.gethostname()})):
+        try:
+            if time.time() - guard.stat().st_mtime > STALE_TAKEOVER_SECONDS:
+                guard.unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        time.sleep(0.01)  # another process is taking over: then its claim is met on the next try
+        return
+    try:
+        now = _claim_state(path)
+        if now is not None and now[:2] == seen[:2]:  # still the same dead claim (content and inode)
+            path.unlink(missing_ok=True)
+    finally:
+        guard.unlink(missing_ok=True)
+
+
+def claim_names(path: Path) -> tuple[str, str]:
+    """The names of the files claim_exclusively(path) creates in path's folder: the claim, and (for the
+    milliseconds of taking over a dead one) its takeover file."""
+    return path.name, path.name + _TAKEOVER_SUFFIX
+
+
+def claim_exclusively(path: Path) -> Claim | Holder:
+    """Create the claim file `path` (pid, host, start time), so that of several processes claiming it at once,
+    also on other machines sharing the folder, exactly one gets the Claim. A claim left by a process that has
+    ended (killed, even by SIGKILL) is taken over; a live one is returned as its Holder. OSError: the folder
+    cannot be written."""
+    token = secrets.token_hex(16)
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "token": token,
+    }
+    holder = Holder(None, None, None)
+    for _ in range(CLAIM_ATTEMPTS):
+        if create_exclusively(path, json.dumps(record)):
+            return Claim(path, token)
+        seen = _claim_state(path)
+        if seen is None:
+            continue  # released meanwhile: try again
+        holder = _holder(seen[0])
+        if not _holder_gone(holder, seen[2]):
+            return holder
+        _take_over(path, seen)
+    return holder

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import BaselineError, ConfigurationError
+from .file_names import WINDOWS_DEVICE_NAMES, windows_device_name
 from .metrics import METRIC_NAMES
 from .report import KINDS, PrecisionReport, Record
 
@@ -40,10 +41,8 @@ SIGNIFICANT_DIGITS = 6
 MAX_STEM_BYTES = 200
 #: Characters Windows refuses in a file name (macOS refuses ":" in Finder, every system "/").
 ILLEGAL_CHARACTERS = frozenset('<>:"/\\|?*')
-#: Names Windows reserves for devices, also with any extension ("nul.cpu.json"), in any case.
-RESERVED_NAMES = frozenset(
-    ["CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))]
-)
+#: Names Windows reserves for devices, also with any extension ("nul.cpu.json"), in any case: see file_names.
+RESERVED_NAMES = WINDOWS_DEVICE_NAMES
 #: The device keys of baseline file names (environment.device_key): "cpu" or "cuda-sm<major><minor>".
 DEVICE_KEY_PATTERN = r"cpu|cuda-sm\d+"
 _BASELINE_NAME = re.compile(rf"^(?P<stem>[^.].*)\.(?P<device>{DEVICE_KEY_PATTERN})\.json$")
@@ -66,8 +65,9 @@ def stem_problem(stem: str) -> str | None:
         return "it starts with '.' (a hidden file)"
     if stem.endswith((".", " ")):
         return "it ends with a dot or a space (Windows drops those)"
-    if stem.split(".", 1)[0].strip().upper() in RESERVED_NAMES:
-        return f"{stem.split('.', 1)[0]!r} is a device name Windows reserves"
+    device = windows_device_name(stem)
+    if device is not None:
+        return f"{device!r} is a device name Windows reserves"
     size = len(stem.encode("utf-8", "surrogatepass"))
     if size > MAX_STEM_BYTES:
         return f"it is {size} bytes long in UTF-8, more than the {MAX_STEM_BYTES} that fit every filesystem"
@@ -99,7 +99,7 @@ def baseline_stem(nodeid: str) -> str:
     name = nodeid.split("::", 1)[1] if "::" in nodeid else nodeid
     stem = re.sub(r"[^A-Za-z0-9_.\-]+", "_", name.replace("::", ".")).strip("_").rstrip(".")
     base, dot, rest = stem.partition(".")
-    if base.upper() in RESERVED_NAMES:
+    if windows_device_name(stem) is not None:
         stem = f"{base}_{dot}{rest}"
     if len(stem) > MAX_STEM_BYTES:  # ASCII only: characters are bytes
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:12]
@@ -433,7 +433,11 @@ def document(report: PrecisionReport, test_id: str, environment: dict[str, Any])
 
 
 def numbers_unchanged(path: Path, new: dict[str, Any]) -> bool:
-    """Whether the file at `path` already holds `new` apart from its environment block."""
+    """Whether the file at `path` already holds `new` apart from its environment block, and records the same
+    DRIFT_FIELDS (a file lacking one, or measured where one differed, is rewritten: it then says where it holds).
+    The commit, the date and the versions outside DRIFT_FIELDS never force a rewrite."""
+    from .environment import DRIFT_FIELDS
+
     try:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -441,7 +445,12 @@ def numbers_unchanged(path: Path, new: dict[str, Any]) -> bool:
     if not isinstance(old, dict):
         return False
     strip = {k: v for k, v in new.items() if k != "environment"}
-    return bool({k: v for k, v in old.items() if k != "environment"} == json.loads(json.dumps(strip)))
+    if {k: v for k, v in old.items() if k != "environment"} != json.loads(json.dumps(strip)):
+        return False
+    then, now = old.get("environment"), json.loads(json.dumps(new.get("environment") or {}))
+    if not isinstance(then, dict):
+        return False
+    return all(name in then and then[name] == now.get(name) for name in DRIFT_FIELDS)
 
 
 def report_from_document(data: dict[str, Any], path: Path) -> PrecisionReport:

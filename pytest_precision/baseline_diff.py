@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .baseline import baseline_stem, owned_document, parse_baseline_name
+from .diff_gate import DiffOptions as DiffOptions
+from .diff_gate import check_carried, recorded_gates
 from .errors import PrecisionError
 from .report_files import _read_json, reports_in
 
@@ -114,24 +116,6 @@ def _pairs(old_path: Path, new_path: Path) -> list[tuple[str, PrecisionReport | 
     ]
 
 
-@dataclass(frozen=True)
-class DiffOptions:
-    """What every mode of `diff` compares and shows."""
-
-    metrics: Sequence[str]
-    tolerances: ToleranceRules
-    limit: int
-
-    def describe(self) -> str:
-        """ "rtol 0.1", and the metrics with their own rtol: "rtol 0.1 (max_rel 0.5)"."""
-        own = [
-            f"{metric} {values['rtol']:g}"
-            for metric, values in self.tolerances.base_metrics.items()
-            if "rtol" in values
-        ]
-        return f"rtol {self.tolerances.base.rtol:g}" + (f" ({', '.join(own)})" if own else "")
-
-
 def _tensors(report: PrecisionReport) -> set[tuple[str, str, str]]:
     return {(variant, r.name, r.kind) for variant in report.variants for r in report.records(variant)}
 
@@ -181,7 +165,11 @@ def diff_files(old_path: Path, new_path: Path, options: DiffOptions, *, old_show
     names OLD in the output when it is a scratch copy."""
     failed = 0
     old_name = old_shown or str(old_path)
-    for label, old, new in _pairs(old_path, new_path):
+    pairs = _pairs(old_path, new_path)
+    check_carried([report for _, old, new in pairs for report in (old, new) if report is not None], options)
+    # A session report's tests recorded the gate they ran: NEW's, else OLD's, serves what nothing else sets.
+    gates = {**recorded_gates(old_path), **recorded_gates(new_path)}
+    for label, old, new in pairs:
         if old is None:
             print(f"== {label}: not in {old_name} (a new test)")
             continue
@@ -189,7 +177,7 @@ def diff_files(old_path: Path, new_path: Path, options: DiffOptions, *, old_show
             print(f"== {label}: dropped, in {old_name} but not in {new_path}")
             failed += 1
             continue
-        failed += print_test(label, old, new, options)[0]
+        failed += print_test(label, old, new, options.for_test(gates.get(label), f"test {label}"))[0]
     return 1 if failed else 0
 
 
@@ -267,6 +255,7 @@ def diff_trees(old: Side, new: Side, options: DiffOptions) -> int:
     # Every file is read before anything is printed: a corrupt one is an error wherever it is.
     before = {relative: old.report(relative) for relative in old.baselines}
     after = {relative: new.report(relative) for relative in new.baselines}
+    check_carried([*before.values(), *after.values()], options)
     failed = worse = changed = 0
     for relative in compared:
         label = _label(relative, _test_id(new, relative))

@@ -6,6 +6,7 @@ of its inputs: reusing it with other weights or other inputs is refused, never m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class RunOptions:
 def chosen_variants(options: RunOptions) -> list[Variant]:
     """--variants (built-in names) then --variants-file's, names unique; bf16,fp16 when neither is given."""
     from .variants import resolve_variant
-    from .variants_file import load_variants_file
+    from .variants_file import FILE_FIELDS, load_variants_file
 
     names = options.variants
     if names is None and options.variants_file is None:
@@ -80,7 +81,17 @@ def chosen_variants(options: RunOptions) -> list[Variant]:
         listed = [name.strip() for name in names.split(",") if name.strip()]
         if not listed:
             raise PrecisionError(f"--variants {names!r} names no variant; e.g. --variants bf16,fp16")
-        variants += [resolve_variant(name, argument="--variants") for name in listed]
+        # On the command line a variant of one's own comes from a file, not from pytest_precision.Variant(...).
+        own = f"describe your own in a --variants-file FILE (JSON or TOML; fields {', '.join(FILE_FIELDS)})"
+        for name in listed:
+            variant = resolve_variant(name, argument="--variants", own=own)
+            if variant.fsdp_knobs:
+                raise PrecisionError(
+                    f"--variants {name}: FSDP2 mixed precision ({variant.fsdp_description()}) needs the model sharded "
+                    "under torch.distributed, which pytest-precision run does not do; measure it in a test with "
+                    "pytest_precision.sharded(model, shard)"
+                )
+            variants.append(variant)
     if options.variants_file is not None:
         for variant in load_variants_file(options.variants_file):
             if any(v.name.lower() == variant.name.lower() for v in variants):
@@ -128,6 +139,11 @@ def input_shape(options: RunOptions) -> tuple[int, int]:
             f"--tokens {options.tokens} and --length {options.length} both set the sequence length; give one"
         )
     if options.tokens < 2 * batch or options.tokens % batch:
+        if options.batch is None:  # name the default, not an option the user did not give
+            raise PrecisionError(
+                f"--tokens {options.tokens} must be a multiple of {batch} and at least {2 * batch}: the tokens are "
+                f"split into {batch} sequences (the default; --batch N sets it) of 2 tokens or more"
+            )
         raise PrecisionError(
             f"--tokens {options.tokens} must be a multiple of --batch {batch} and at least {2 * batch} "
             "(sequences of 2 tokens or more)"
@@ -135,8 +151,9 @@ def input_shape(options: RunOptions) -> tuple[int, int]:
     return batch, options.tokens // batch
 
 
-def _check_files(options: RunOptions) -> None:
-    """Everything about the files the run reads and writes that can be refused before it runs."""
+def _check_files(options: RunOptions) -> contextlib.AbstractContextManager[object]:
+    """Everything about the files the run reads and writes that can be refused before it runs. Returns the
+    claim on --output-dir (see run_outputs), to hold until the run ends; a null context without one."""
     from .run_outputs import prepare_output_dir
 
     if options.reference is not None and options.save_reference is not None:
@@ -146,30 +163,30 @@ def _check_files(options: RunOptions) -> None:
         )
     if options.reference is not None and not options.reference.is_file():
         raise PrecisionError(f"--reference {options.reference}: no such file; write one with --save-reference")
-    if options.output_dir is not None:  # first: --save-reference may name a file in it
-        prepare_output_dir(options.output_dir, overwrite=options.overwrite)
-    if options.save_reference is not None:
-        target = options.save_reference
-        if target.is_dir():
-            raise PrecisionError(f"--save-reference {target} is a folder; give a file name, e.g. reference.safetensors")
-        if target.exists() and not options.overwrite:
-            raise PrecisionError(
-                f"--save-reference {target} exists; pass --overwrite to replace it, or choose another name"
-            )
-        if not target.parent.is_dir():
-            raise PrecisionError(f"--save-reference {target}: the folder {target.parent} does not exist")
+    with contextlib.ExitStack() as claimed:  # a refusal below releases the claim
+        if options.output_dir is not None:  # first: --save-reference may name a file in it
+            claimed.enter_context(prepare_output_dir(options.output_dir, overwrite=options.overwrite))
+        if options.save_reference is not None:
+            target = options.save_reference
+            if target.is_dir():
+                raise PrecisionError(
+                    f"--save-reference {target} is a folder; give a file name, e.g. reference.safetensors"
+                )
+            if target.exists() and not options.overwrite:
+                raise PrecisionError(
+                    f"--save-reference {target} exists; pass --overwrite to replace it, or choose another name"
+                )
+            if not target.parent.is_dir():
+                raise PrecisionError(f"--save-reference {target}: the folder {target.parent} does not exist")
+        return claimed.pop_all()
 
 
 def _save_reference(ref: Reference, path: Path) -> None:
-    """Reference.save through a temporary file beside `path` and os.replace: never half a file."""
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """Reference.save, which writes atomically (never half a file) in the umask's ordinary mode."""
     try:
-        ref.save(temporary)
-        os.replace(temporary, path)
+        ref.save(path)
     except OSError as error:
         raise PrecisionError(f"--save-reference {path}: cannot write it ({error.strerror or error})") from None
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _loaded_reference(options: RunOptions, checkpoint: Checkpoint, digest: str, device: torch.device) -> Reference:
@@ -182,7 +199,9 @@ def _loaded_reference(options: RunOptions, checkpoint: Checkpoint, digest: str, 
     path = options.reference
     assert path is not None
     try:
-        ref = Reference.load(path, checkpoint.factory, device=device)
+        # The checkpoint's SHA-256 is checked below: checking what the factory builds too would load the fp32
+        # weights, which a saved reference is there to spare.
+        ref = Reference.load(path, checkpoint.factory, device=device, check_weights=False)
     except ConfigurationError as error:
         # Reference.load's advice is the Python API's; on the command line a new file comes from --save-reference.
         advice = str(error).replace("re-create it with Reference.save", "write a new one with --save-reference")
@@ -274,16 +293,16 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     variants = chosen_variants(options)
-    if options.reference is None:
-        input_shape(options)  # refuse bad shapes now, not after loading
+    if options.reference is None or options.input_options:
+        input_shape(options)  # refuse bad shapes now, not after hashing the weights and loading the reference
     device = checked_device(options.device)
     check_backends(variants, device)
-    _check_files(options)
+    claim = _check_files(options)
     planned: list[tuple[Role, str]] = [("variant", v.name) for v in variants]
     if options.reference is None:
         planned.insert(0, ("reference", "fp32"))
     printer = None if options.quiet else ProgressPrinter(err, live=err.isatty(), planned=planned)
-    with quiet_transformers():
+    with claim, quiet_transformers():
         try:
             checkpoint = open_checkpoint(options.directory)
             return _measured(options, checkpoint, variants, device, printer, out)
@@ -341,6 +360,62 @@ def _measured(
     return report
 
 
+#: A file's identity and content stamp: (device, inode, size, modification time in ns).
+FileStamp = tuple[int, int, int, int]
+
+
+def written_files(options: RunOptions) -> dict[Path, FileStamp]:
+    """The files the run may write (--save-reference's, and run_outputs' own in --output-dir) that exist now,
+    each with its stamp: two snapshots tell which the run wrote (a new stamp: written whole, through a temporary
+    file and os.replace) and which it removed (--overwrite)."""
+    from .run_outputs import LOGPROBS_DIR, OWN_FILES
+
+    candidates: list[Path] = []
+    if options.save_reference is not None:
+        candidates.append(options.save_reference)
+    if options.output_dir is not None:
+        candidates += [options.output_dir / name for name in OWN_FILES]
+        candidates += sorted((options.output_dir / LOGPROBS_DIR).glob("*.npy"))
+    stamps = {}
+    for path in candidates:
+        try:
+            stat = path.stat()
+        except OSError:
+            continue
+        stamps[path] = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return stamps
+
+
+def interrupted_message(options: RunOptions, before: dict[Path, FileStamp]) -> str:
+    """What an interrupted run says, from written_files before it and now: which of its files it had written or
+    removed, and where it wrote nothing ("interrupted; nothing was written to --output-dir out")."""
+    now = written_files(options)
+    written = [path for path, stamp in now.items() if before.get(path) != stamp]
+    removed = [path for path in before if path not in now]
+    said: list[str] = []
+    untouched: list[str] = []
+    if options.save_reference is not None:
+        if options.save_reference in written:
+            said.append(f"the reference was saved to {options.save_reference} (whole)")
+        else:
+            untouched.append(f"--save-reference {options.save_reference}")
+    if options.output_dir is not None:
+        folder = options.output_dir
+
+        def names(paths: list[Path]) -> str:
+            return ", ".join(os.path.relpath(path, folder) for path in paths if path != options.save_reference)
+
+        if names(written):
+            said.append(f"it had written {names(written)} in --output-dir {folder}")
+        if names(removed):
+            said.append(f"it had removed an earlier run's {names(removed)} from --output-dir {folder}")
+        if not names(written) and not names(removed):
+            untouched.append(f"--output-dir {folder}")
+    if untouched:
+        said.append(f"nothing was written to {' or '.join(untouched)}")
+    return "interrupted; " + ("; ".join(said) if said else "no file was written")
+
+
 def _command_record(options: RunOptions, variants: list[Variant]) -> dict[str, Any]:
     """The run's options as JSON, for precision-report.json."""
     return {
@@ -355,4 +430,4 @@ def _command_record(options: RunOptions, variants: list[Variant]) -> dict[str, A
     }
 
 
-__all__ = ["RunOptions", "chosen_variants", "input_shape", "run_checkpoint"]
+__all__ = ["RunOptions", "chosen_variants", "input_shape", "interrupted_message", "run_checkpoint", "written_files"]

@@ -24,6 +24,7 @@ from .report import KINDS
 from .report_files import reports_in
 
 if TYPE_CHECKING:
+    from .diff_gate import DiffOptions
     from .tolerance import Level
 
 EPILOG = """examples:
@@ -75,6 +76,14 @@ was dropped.
 (default baselines, relative to the current directory) against the working tree's, committed or not,
 as two folders; PATH may also be one baseline file. What a pull request changes, before pushing it:
   pytest-precision diff --against main
+
+What is gated: by default the project's own gate, its precision_metrics, precision_rtol and
+precision_atol (or those flags in its addopts), from the pytest config file pytest would read for
+these paths (pytest.ini, .pytest.ini, pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg
+[tool:pytest], and pytest 9's pytest.toml and [tool.pytest], from the paths' common folder upward).
+--metric, --rtol and --atol override it, each on its own. A test of a session report that recorded its
+gate uses that gate's metrics and tolerances where neither sets them; else rms_rel, rtol 0.1, atol 1e-5.
+The last line of the output says what was gated, where each part came from, and which config file.
 """
 
 
@@ -111,43 +120,45 @@ def _show(arguments: argparse.Namespace) -> int:
 
 
 def _diff(arguments: argparse.Namespace) -> int:
-    from .baseline_diff import DiffOptions, diff_against, diff_files, diff_trees, folder_side
-    from .metrics import METRIC_DIRECTIONS
-    from .tolerance import ToleranceRules, base_of_levels
+    from .baseline_diff import diff_against, diff_files, diff_trees, folder_side
+    from .diff_gate import gate_options
 
-    metrics = arguments.metric or ["rms_rel"]
-    unknown = [m for m in metrics if m not in METRIC_DIRECTIONS]
-    if unknown:
-        raise PrecisionError(
-            f"--metric: unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRIC_DIRECTIONS)}"
-        )
-    base, per_metric = base_of_levels(arguments.rtol or (None, {}), arguments.atol or (None, {}))
-    options = DiffOptions(metrics, ToleranceRules(base=base, base_metrics=per_metric), arguments.limit)
+    def options(*paths: Path) -> DiffOptions:
+        """The gate: the command line's, else the pytest config file's for `paths`, else built-in."""
+        return gate_options(paths, arguments.metric, arguments.rtol, arguments.atol, arguments.limit)
+
     if arguments.against is not None:
         if arguments.new is not None:
             raise PrecisionError(
                 f"--against {arguments.against} compares the working tree's PATH with that ref: give one PATH "
                 f"(default baselines), not OLD and NEW ({arguments.old} {arguments.new})"
             )
-        return diff_against(arguments.against, Path(arguments.old or "baselines"), options)
-    if arguments.new is None:
+        path = Path(arguments.old or "baselines")
+        chosen = options(path)
+        code = diff_against(arguments.against, path, chosen)
+    elif arguments.new is None:
         raise PrecisionError(
             "give OLD and NEW (two baseline files, or two folders of baselines), or --against REF [PATH] to "
             "compare the baselines committed at a git ref with the working tree's"
         )
-    old, new = Path(arguments.old), Path(arguments.new)
-    if old.is_dir() and new.is_dir():
-        return diff_trees(folder_side(old, arguments.old), folder_side(new, arguments.new), options)
-    if old.is_dir() or new.is_dir():
-        folder, other = (arguments.old, arguments.new) if old.is_dir() else (arguments.new, arguments.old)
-        raise PrecisionError(
-            f"{folder} is a folder and {other} is not: give two baseline files, or two folders of baselines"
-        )
-    return diff_files(old, new, options)
+    else:
+        old, new = Path(arguments.old), Path(arguments.new)
+        if old.is_dir() != new.is_dir():
+            folder, other = (arguments.old, arguments.new) if old.is_dir() else (arguments.new, arguments.old)
+            raise PrecisionError(
+                f"{folder} is a folder and {other} is not: give two baseline files, or two folders of baselines"
+            )
+        chosen = options(old, new)
+        if old.is_dir():
+            code = diff_trees(folder_side(old, arguments.old), folder_side(new, arguments.new), chosen)
+        else:
+            code = diff_files(old, new, chosen)
+    print(chosen.gate_line())
+    return code
 
 
 def _run(arguments: argparse.Namespace) -> int:
-    from .checkpoint_run import RunOptions, run_checkpoint
+    from .checkpoint_run import RunOptions, interrupted_message, run_checkpoint, written_files
 
     def path(value: str | None) -> Path | None:
         return None if value is None else Path(value)
@@ -174,7 +185,11 @@ def _run(arguments: argparse.Namespace) -> int:
         quiet=arguments.quiet,
         full=arguments.full,
     )
-    run_checkpoint(options)
+    before = written_files(options)
+    try:
+        run_checkpoint(options)
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what was (not) written, not a traceback
+        raise KeyboardInterrupt(interrupted_message(options, before)) from None
     return 0
 
 
@@ -273,12 +288,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--rtol",
         type=_tolerance,
         metavar="RTOL",
-        help="relative tolerance (default 0.10); per metric as METRIC=RTOL, e.g. '0.1 max_rel=0.5'",
+        help="relative tolerance (default: the ini's precision_rtol, else 0.10); per metric as METRIC=RTOL, "
+        "e.g. '0.1 max_rel=0.5'",
     )
     diff.add_argument(
-        "--atol", type=_tolerance, metavar="ATOL", help="absolute tolerance (default 1e-5); per metric as METRIC=ATOL"
+        "--atol",
+        type=_tolerance,
+        metavar="ATOL",
+        help="absolute tolerance (default: the ini's precision_atol, else 1e-5); per metric as METRIC=ATOL",
     )
-    diff.add_argument("--metric", action="append", help="metric to compare (repeatable; default rms_rel)")
+    diff.add_argument(
+        "--metric",
+        action="append",
+        help="metric to compare (repeatable; default: the ini's precision_metrics, else rms_rel)",
+    )
     diff.add_argument("--limit", type=_positive, default=30, help="rows shown per test (default 30)")
     diff.set_defaults(handler=_diff)
 
@@ -347,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir",
         metavar="DIR",
         help="write precision-report.json, summary.md, error-vs-depth.png, "
-        "inputs.safetensors and logprobs/<run>.npy there (refused when DIR is not empty, unless --overwrite)",
+        "inputs.safetensors and logprobs/<run>.npy there (refused when DIR is not empty, unless --overwrite, "
+        "and while another run writes DIR)",
     )
     output.add_argument(
         "--overwrite",
@@ -369,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PrecisionError as error:
         print(f"pytest-precision {arguments.command}: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as interrupt:
+        print(f"pytest-precision {arguments.command}: {str(interrupt) or 'interrupted'}", file=sys.stderr)
+        return 128 + 2  # what a shell reports for a command stopped by SIGINT
     except BrokenPipeError:
         # The reader went away (`pytest-precision show x.json | head`): stop quietly. Point stdout at devnull so
         # the interpreter's final flush does not fail again (the recipe of Python's signal module docs).

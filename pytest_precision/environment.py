@@ -12,6 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+#: The environment fields whose change is worth a warning: they pick other kernels or thread splits. A baseline
+#: refreshed with unchanged numbers is still rewritten when one of them differs, so that it records where it holds.
+DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability", "world_size", "mesh")
+#: What a baseline without the field was measured with (files from before the field was recorded).
+DRIFT_DEFAULTS: dict[str, Any] = {"world_size": 1, "mesh": None}
+
 
 def package_version(name: str) -> str | None:
     """An installed distribution's version, read from its metadata (imports nothing)."""

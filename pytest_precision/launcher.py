@@ -227,10 +227,10 @@ class RankRecorder:
 
     def write(self, session_export: dict[str, Any]) -> None:
         path = Path(os.environ[RESULT_ENV])
+        from .atomic_files import write_atomically  # only in a rank process
+
         document = {"outcome": self.outcome, "message": self.message, "tables": self.tables, "session": session_export}
-        temporary = path.with_name(path.name + ".tmp")
-        temporary.write_text(json.dumps(document))
-        os.replace(temporary, path)
+        write_atomically(path, json.dumps(document))
 
 
 def _skip_reason(report: pytest.TestReport) -> str:

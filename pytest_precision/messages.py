@@ -11,8 +11,12 @@ from .report import Record
 from .tables import render
 from .tolerance import Violation
 
-#: Rows shown before "... N more".
+#: Rows shown before "... N more", shared between the failing variants.
 MAX_ROWS = 20
+#: Each failing variant shows at least this many rows, however many variants fail.
+MIN_ROWS_PER_VARIANT = 3
+#: Where every row and the error-vs-depth plot are, when the table had to leave rows out.
+FULL_LIST_HINT = "every row and an error-vs-depth plot: rerun with --precision-report DIR (DIR/summary.md, DIR/*.png)"
 
 # Execution order: forward rows in forward order, then backward rows in backward order, then gradients,
 # so that the first row is where precision was first lost.
@@ -75,48 +79,54 @@ def _ratio(violation: Violation) -> str:
     return "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
 
 
-def violation_table(violations: Sequence[Violation]) -> list[str]:
+def _row(v: Violation) -> list[str]:
+    if v.reason in ("missing", "new"):
+        what = "variant" if v.name == "*" else "tensor"
+        side = "not in this run" if v.reason == "missing" else "not in the baseline"
+        return [v.variant, v.name, v.kind, f"{v.reason} {what}", side, "", "", ""]
+    if v.reason == "limit":
+        obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
+        return [v.variant, v.name, v.kind, v.metric, "(limit)", obtained, "", format_number(v.allowed)]
+    if v.reason == "undefined":
+        expected = UNDEFINED if v.expected is None else format_number(v.expected)
+        obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
+        return [v.variant, v.name, v.kind, v.metric, expected, obtained, "", ""]
+    expected, obtained, allowed = (format_number(x) for x in (v.expected, v.obtained, v.allowed))
+    return [v.variant, v.name, v.kind, v.metric, expected, obtained, _ratio(v), allowed]
+
+
+def row_shares(sizes: Sequence[int], budget: int) -> list[int]:
+    """How many rows of each group to show within `budget`: one row to each group in turn while it has rows
+    left, so that every group shows its first rows and none takes the whole table."""
+    shares = [0] * len(sizes)
+    while budget > 0 and any(share < size for share, size in zip(shares, sizes, strict=True)):
+        for i, size in enumerate(sizes):
+            if budget > 0 and shares[i] < size:
+                shares[i] += 1
+                budget -= 1
+    return shares
+
+
+def violation_table(violations: Sequence[Violation], *, full_list: str = FULL_LIST_HINT) -> list[str]:
+    """The violations (in execution order) as a table of at most max(MAX_ROWS, MIN_ROWS_PER_VARIANT x
+    variants) rows: each variant's first rows, followed by "... N more <variant>" when some were left out, and
+    then `full_list`, where to find them all."""
     header = ["variant", "tensor", "kind", "metric", "baseline", "obtained", "ratio", "allowed"]
-    shown = violations[:MAX_ROWS]
-    rows = []
-    for v in shown:
-        if v.reason in ("missing", "new"):
-            what = "variant" if v.name == "*" else "tensor"
-            side = "not in this run" if v.reason == "missing" else "not in the baseline"
-            rows.append([v.variant, v.name, v.kind, f"{v.reason} {what}", side, "", "", ""])
-        elif v.reason == "limit":
-            rows.append(
-                [
-                    v.variant,
-                    v.name,
-                    v.kind,
-                    v.metric,
-                    "(limit)",
-                    UNDEFINED if v.obtained is None else format_number(v.obtained),
-                    "",
-                    format_number(v.allowed),
-                ]
-            )
-        elif v.reason == "undefined":
-            expected = UNDEFINED if v.expected is None else format_number(v.expected)
-            obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
-            rows.append([v.variant, v.name, v.kind, v.metric, expected, obtained, "", ""])
-        else:
-            rows.append(
-                [
-                    v.variant,
-                    v.name,
-                    v.kind,
-                    v.metric,
-                    format_number(v.expected),
-                    format_number(v.obtained),
-                    _ratio(v),
-                    format_number(v.allowed),
-                ]
-            )
-    lines = render(header, rows, left=4)
-    if len(violations) > MAX_ROWS:
-        lines.append(f"  ... {len(violations) - MAX_ROWS} more")
+    groups: dict[str, list[Violation]] = {}
+    for v in violations:
+        groups.setdefault(v.variant, []).append(v)
+    budget = max(MAX_ROWS, MIN_ROWS_PER_VARIANT * len(groups))
+    shares = row_shares([len(group) for group in groups.values()], budget)
+    shown = [(group[:share], len(group) - share) for group, share in zip(groups.values(), shares, strict=True)]
+    rendered = render(header, [_row(v) for rows, _ in shown for v in rows], left=4)
+    lines, position = rendered[:1], 1
+    for rows, left_out in shown:
+        lines += rendered[position : position + len(rows)]
+        position += len(rows)
+        if left_out:
+            lines.append(f"  ... {left_out} more {rows[0].variant} row(s)")
+    if any(left_out for _, left_out in shown):
+        lines.append(f"  ({sum(left_out for _, left_out in shown)} row(s) not shown; {full_list})")
     return lines
 
 
@@ -127,6 +137,8 @@ def regression_message(
     nodeid: str,
     order: dict[tuple[str, str, str], int],
     nonfinite_origin: Mapping[str, str] | None = None,
+    *,
+    full_list: str = FULL_LIST_HINT,
 ) -> str:
     ordered = execution_order(violations, order)
     tensors = {(v.variant, v.name, v.kind) for v in ordered}
@@ -152,7 +164,7 @@ def regression_message(
             lines.append(f"  {variant}: first non-finite output from finite inputs in {origin}")
     lines += _undefined_lines(ordered)
     lines += [
-        *violation_table(ordered),
+        *violation_table(ordered, full_list=full_list),
         f"Baseline: {path}",
         f"If the change is intended, refresh it: {refresh_command(nodeid)}",
     ]
@@ -179,7 +191,12 @@ def _undefined_lines(violations: Sequence[Violation]) -> list[str]:
 
 
 def improvement_message(
-    improvements: Sequence[Violation], path: Path, nodeid: str, order: dict[tuple[str, str, str], int]
+    improvements: Sequence[Violation],
+    path: Path,
+    nodeid: str,
+    order: dict[tuple[str, str, str], int],
+    *,
+    full_list: str = FULL_LIST_HINT,
 ) -> str:
     """--precision-strict: an improvement beyond tolerance fails until the baseline is tightened."""
     ordered = execution_order(improvements, order)
@@ -188,19 +205,21 @@ def improvement_message(
         [
             f"precision improved beyond tolerance in {len(tensors)} tensor(s) (--precision-strict): "
             "tighten the baseline",
-            *violation_table(ordered),
+            *violation_table(ordered, full_list=full_list),
             f"Baseline: {path}",
             f"Tighten it with: {refresh_command(nodeid)}",
         ]
     )
 
 
-def limit_message(violations: Sequence[Violation], order: dict[tuple[str, str, str], int]) -> str:
+def limit_message(
+    violations: Sequence[Violation], order: dict[tuple[str, str, str], int], *, full_list: str = FULL_LIST_HINT
+) -> str:
     ordered = execution_order(violations, order)
     return "\n".join(
         [
             f"precision limits exceeded by {len(ordered)} tensor metric(s) (limits hold without a baseline)",
-            *violation_table(ordered),
+            *violation_table(ordered, full_list=full_list),
         ]
     )
 

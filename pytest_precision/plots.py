@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .atomic_files import write_atomically
 from .baseline import baseline_stem
 from .report import PrecisionReport, Record
 from .tables import SUMMARY_KINDS
@@ -132,8 +133,7 @@ def plot_error_vs_depth(
     reference = report.reference.variant.get("name", "fp32")
     figure.suptitle(title or f"{metric} against the {reference} reference on {report.device}", fontsize=11)
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, format="png")
+    write_atomically(path, lambda temporary: figure.savefig(temporary, format="png"))
     return path
 
 

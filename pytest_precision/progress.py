@@ -96,6 +96,29 @@ def remaining_estimate(finished: Sequence[float], left: int) -> float | None:
     return left * sum(finished) / len(finished)
 
 
+def time_left(finished: Sequence[float], left: int, current: float | None = None) -> str:
+    """The estimate of a progress line: ", about T left", or "" before the first run finished and after the last.
+
+    `finished`: the finished runs' seconds; `left`: the runs not finished, the current one included;
+    `current`: how long the current run has run (None between runs). Each run not started counts the mean of
+    the finished runs. The current run counts the mean less its time so far while it is within the mean; once
+    it has outlasted the mean, the mean says nothing about how much more it needs, and no number would be
+    honest: the line says so and counts only the runs after it (", longer than the mean run (1m20s); about 2m40s
+    left after it"). So the estimate is never negative, and never counts down to a figure the current run has
+    already proved too short.
+    """
+    estimate = remaining_estimate(finished, left)
+    if estimate is None or left <= 0:
+        return ""
+    if current is None:
+        return f", about {duration(estimate)} left"
+    mean = estimate / left
+    if current < mean:
+        return f", about {duration(estimate - current)} left"
+    after = f"; about {duration(estimate - mean)} left after it" if left > 1 else ""
+    return f", longer than the mean run ({duration(mean)}){after}"
+
+
 class ProgressPrinter:
     """Render ProgressEvents on `stream` (stderr): a live bar rewritten in place when `live` (a terminal),
     redrawn every `tick_seconds` so that its clock runs during a long phase; else one plain line per event
@@ -104,18 +127,25 @@ class ProgressPrinter:
     then the variants).
 
     `note(text)` prints a step of the command itself (loading, writing files) the same way. `close()` clears
-    the bar and stops its redrawing.
+    the bar and stops its redrawing. `clock` gives the time in seconds (time.perf_counter; a test's own clock).
     """
 
     BAR_WIDTH = 24
 
     def __init__(
-        self, stream: TextIO, *, live: bool, planned: Sequence[tuple[Role, str]], tick_seconds: float = 1.0
+        self,
+        stream: TextIO,
+        *,
+        live: bool,
+        planned: Sequence[tuple[Role, str]],
+        tick_seconds: float = 1.0,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._stream = stream
         self._live = live
         self._planned = list(planned)
-        self._start = time.perf_counter()
+        self._clock = clock
+        self._start = clock()
         self._finished: list[float] = []
         #: The live bar's text (run and phase), while one is on the line.
         self._live_text: str | None = None
@@ -131,7 +161,7 @@ class ProgressPrinter:
             self._ticker.start()
 
     def elapsed(self) -> float:
-        return time.perf_counter() - self._start
+        return self._clock() - self._start
 
     def _position(self, event: ProgressEvent) -> str:
         label = f"{event.role} {event.run}"
@@ -140,15 +170,9 @@ class ProgressPrinter:
         return label
 
     def _left(self) -> str:
-        """ ", about T left": the runs not finished at the mean time of those that are, less the time the
-        current run has run already; "" before the first run finished and after the last."""
-        left = len(self._planned) - len(self._finished)
-        estimate = remaining_estimate(self._finished, left)
-        if estimate is None or left <= 0:
-            return ""
-        if self._current is not None:
-            estimate -= min(time.perf_counter() - self._current_start, estimate / left)
-        return f", about {duration(estimate)} left"
+        """The estimate of the time left (see time_left), counting the current run's time so far."""
+        current = None if self._current is None else self._clock() - self._current_start
+        return time_left(self._finished, len(self._planned) - len(self._finished), current)
 
     def _write_line(self, text: str) -> None:
         if self._live_text is not None:
@@ -181,7 +205,7 @@ class ProgressPrinter:
                 return
             if self._current != (event.role, event.run):
                 self._current = (event.role, event.run)
-                self._current_start = time.perf_counter()
+                self._current_start = self._clock()
             if self._live:
                 self._live_text = f"{self._position(event)}: {event.phase}"
                 self._draw_live()
@@ -204,4 +228,4 @@ class ProgressPrinter:
                 self._live_text = None
 
 
-__all__ = ["ProgressCallback", "ProgressEvent", "ProgressPrinter", "RunProgress", "remaining_estimate"]
+__all__ = ["ProgressCallback", "ProgressEvent", "ProgressPrinter", "RunProgress", "remaining_estimate", "time_left"]

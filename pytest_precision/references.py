@@ -4,7 +4,8 @@
 variants=[...])` measures variants against it without running the reference again. `ReferenceCache` memoizes
 references (compare(cache=...), the plugin's `precision` fixture keeps one per session).
 
-What the cache key covers: see pytest_precision.fingerprint.
+What the cache key covers: see pytest_precision.fingerprint. What a saved Reference records so that loading it
+refuses a changed file or other weights: see pytest_precision.reference_integrity.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import reference_integrity as integrity
+from .atomic_files import write_atomically
 from .batch import Batch
 from .errors import ConfigurationError
-from .fingerprint import _CHUNK_WEIGHTS, CacheKey, anchored, same_checksum, state_checksum  # noqa: F401
+from .fingerprint import _CHUNK_WEIGHTS, CacheKey, anchored, state_checksum  # noqa: F401
 from .model_build import FactoryProducts
 from .positions import Positions
 from .report import RunInfo
@@ -39,7 +43,9 @@ if TYPE_CHECKING:
 TensorKey = tuple[str, str]
 #: safetensors metadata key holding the JSON description of a saved Reference.
 METADATA_KEY = "pytest_precision.reference"
-FORMAT_VERSION = 1
+#: 2: the metadata records a SHA-256 of each tensor and of itself (see reference_integrity). Format 1 files
+#: (pytest-precision 0.1) record none, so a change to them cannot be seen: they are refused.
+FORMAT_VERSION = 2
 _INPUT_PREFIX = "__inputs__/"
 #: offload=None offloads on CUDA above this many bytes of parameters.
 OFFLOAD_THRESHOLD_BYTES = 1 << 30
@@ -85,7 +91,8 @@ class Reference:
     info: RunInfo
     stored: dict[TensorKey, torch.Tensor]
     offload: bool
-    #: state_checksum of the model when the reference ran (None for a factory).
+    #: state_checksum of the model when the reference ran (None for a factory: save() records that of the model
+    #: it built for the reference run); for a loaded Reference, the checksum its file records.
     checksum: tuple[Any, ...] | None = None
     #: The qualified name of the custom loss_fn the reference ran with (None: the model's own loss).
     loss_fn_name: str | None = None
@@ -99,8 +106,9 @@ class Reference:
     max_gradient: float | None = None
     #: repeats -> per-tensor noise of the reference's repeats (see compare), computed on first need.
     noise: dict[int, dict[TensorKey, float]] = field(default_factory=dict, repr=False)
-    #: The models a factory source returned for this reference's runs (a model returned twice is refused).
-    products: FactoryProducts = field(default_factory=FactoryProducts, repr=False)
+    #: The models a factory source returned for this reference's runs (a model returned twice is refused); for a
+    #: computed Reference, with the weight sums of the reference run's model (see reference_integrity).
+    products: FactoryProducts = field(default_factory=integrity.RecordingProducts, repr=False)
     #: Per captured tensor, its metrics.reference_sums on the run's device: computed while the reference runs
     #: (for a loaded Reference, on first need) and shared by every variant measured against it.
     sums: dict[TensorKey, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -112,7 +120,8 @@ class Reference:
     @property
     def model(self) -> nn.Module | ModelFactory | ShardedModel | None:
         """The model (or factory) the variants are built from; None for a Reference loaded without one."""
-        return self.source
+        source = self.source
+        return source.factory if isinstance(source, integrity.CheckedFactory) else source
 
     @property
     def nbytes(self) -> int:
@@ -127,18 +136,34 @@ class Reference:
         return _OnDevice(self.stored, self.device)
 
     def with_model(self, model: nn.Module | ModelFactory | None) -> Reference:
-        """The same captured tensors bound to `model` (shared, not copied)."""
+        """The same captured tensors bound to `model` (shared, not copied). For a loaded Reference, `model`'s
+        weights are checked against those its file records as Reference.load checks them."""
+        if isinstance(model, integrity.CheckedFactory):
+            model = model.factory
+        if self.path is not None:
+            model = _checked(self.path, model, self.checksum, self.variant.weight_dtype)
         return dataclasses.replace(self, source=model)
 
+    def weights_checksum(self) -> tuple[Any, ...] | None:
+        """The checksum of the weights the reference ran with, as save() records it: the model's, or that of the
+        model a factory built for the reference run (None when not taken)."""
+        if self.checksum is not None:
+            return self.checksum
+        first = getattr(self.products, "first", None)
+        return first.checksum() if isinstance(first, integrity.WeightSums) else None
+
     def __repr__(self) -> str:
-        source = "None" if self.source is None else type(self.source).__name__
+        source = "None" if self.model is None else type(self.model).__name__
         return (
             f"Reference({self.variant.name}, model={source}, device={self.device}, tensors={len(self.stored)}, "
             f"backward={self.backward}, offload={self.offload})"
         )
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors.
+        """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors, with a
+        SHA-256 of each tensor and of the metadata and the checksum of the weights the reference ran with, which
+        Reference.load checks. Written atomically (see atomic_files), in the umask's ordinary mode; the folder
+        must exist.
 
         An input tensor given twice (the README's {"input_ids": ids, "labels": ids}) is written once and named
         twice; any other tensors sharing storage are written as copies (safetensors refuses shared storage).
@@ -166,12 +191,18 @@ class Reference:
             "temperature": self.temperature,
             "clip_eps": self.clip_eps,
             "loss_fn": self.loss_fn_name,
-            "checksum": None if self.checksum is None else list(self.checksum),
+            "checksum": None if (checksum := self.weights_checksum()) is None else list(checksum),
             "order": order,
             "inputs": inputs,
             **({} if self.origin is None else {"origin": self.origin}),
         }
-        save_file(_unshared(tensors), os.fspath(path), metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True)})
+        unshared = _unshared(tensors)
+        text = integrity.sealed(metadata, unshared)
+        write_atomically(
+            Path(path),
+            lambda temporary: save_file(unshared, os.fspath(temporary), metadata={METADATA_KEY: text}),
+            make_parents=False,
+        )
 
     @classmethod
     def load(
@@ -181,13 +212,18 @@ class Reference:
         *,
         loss_fn: LossFn | None = None,
         device: str | torch.device | None = None,
+        check_weights: bool = True,
     ) -> Reference:
         """A Reference saved by `save`. Comparing variants against it needs `model` (the same model or a
         factory building it) and, when the reference ran with a custom loss_fn, that `loss_fn` again.
         The tensors stay on the host and move to `device` (default: the saved one) one at a time.
 
-        A file that is not a whole Reference file (truncated, tampered, of another writer) is a
-        ConfigurationError naming it, never a raw safetensors or JSON error."""
+        A file that is not a whole Reference file (truncated, of another writer), or whose tensors or metadata
+        differ from the SHA-256 digests it records (tampered), is a ConfigurationError naming it, never a raw
+        safetensors or JSON error. A model whose weights differ from those the file records is refused here; a
+        factory, when the comparison first calls it (see reference_integrity.CheckedFactory), before any run.
+        `check_weights=False` skips that check, for a caller that checked the weights otherwise
+        (`pytest-precision run` compares its checkpoint's SHA-256)."""
         import torch
         from safetensors import safe_open
 
@@ -210,20 +246,31 @@ class Reference:
                 raise TypeError(f"its metadata is a JSON {type(meta).__name__}, not an object")
             version = meta.get("format")
             fields = _loaded_fields(meta, tensors) if version == FORMAT_VERSION else None
+            digests = integrity.recorded_digests(meta, list(tensors)) if fields is not None else {}
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError, RecursionError) as error:
             # ConfigurationError (a bad variant spec) is a ValueError too.
             problem = f"missing {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
             raise ConfigurationError(f"{incomplete} ({problem}); {fix}") from None
+        if version == 1:
+            raise ConfigurationError(
+                f"Reference.load({shown!r}): format 1, written by pytest-precision 0.1, records no digest of its "
+                f"tensors, so a change to them cannot be seen; {fix}"
+            )
         if fields is None:
             raise ConfigurationError(
                 f"Reference.load({shown!r}): unknown format {version!r} (this pytest-precision reads format "
                 f"{FORMAT_VERSION}); {fix}"
             )
+        changed = integrity.changed_parts(meta, tensors, digests)
+        if changed:
+            raise ConfigurationError(
+                f"Reference.load({shown!r}): {changed}, so the file was changed after Reference.save wrote it; {fix}"
+            )
         if device is not None:
             fields["device"] = torch.device(device)
-        loaded = cls(source=model, loss_fn=loss_fn, offload=True, path=shown, **fields)
-        _check_loaded_checksum(path, model, meta.get("checksum"))
-        return loaded
+        if check_weights:
+            model = _checked(shown, model, fields["checksum"], fields["variant"].weight_dtype)
+        return cls(source=model, loss_fn=loss_fn, offload=True, path=shown, products=FactoryProducts(), **fields)
 
 
 def _aligned(tensor: torch.Tensor) -> torch.Tensor:
@@ -233,18 +280,23 @@ def _aligned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
 
 
-def _check_loaded_checksum(path: str | os.PathLike[str], model: object, stored: Any) -> None:
-    """Refuse a model whose parameters or buffers differ from those a loaded Reference was computed with."""
+def _checked(path: str, model: Any, recorded: Any, dtype: str) -> Any:
+    """`model` for a Reference loaded from `path` whose file records the weights checksum `recorded` (None:
+    none, nothing to check): a model checked now, a factory wrapped to check what it builds in `dtype`."""
     from torch import nn
 
-    if not isinstance(model, nn.Module) or stored is None:
-        return
-    if not same_checksum(stored, state_checksum(model)):
-        raise ConfigurationError(
-            f"Reference.load({os.fspath(path)!r}): the model's weights differ from those the reference was "
-            "computed with (parameters, buffers or their names, shapes and dtypes); pass the same model, or "
-            "compute a new reference with reference(model, inputs, ...)"
-        )
+    from .sharding import ShardedModel
+
+    if isinstance(model, integrity.CheckedFactory):
+        model = model.factory
+    if recorded is None or model is None or isinstance(model, ShardedModel):
+        return model
+    if isinstance(model, nn.Module):
+        integrity.check_module(path, model, recorded)
+        return model
+    if callable(model):
+        return integrity.CheckedFactory(model, recorded, path, dtype)
+    return model
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,6 +117,54 @@ class RunInfo:
         return cls(**values)
 
 
+def _mismatch_pairs(pairs: object, known: list[str]) -> list[tuple[str, str]]:
+    """The (trainer, sampler) pairs of PrecisionReport.logprob_mismatch, every one checked before any is measured:
+    a list (or tuple) of pairs of two different variant names of `known` (the variants whose log-probs the report
+    holds), no pair twice. Anything else is a ConfigurationError naming the pair and saying what to pass."""
+    from .errors import ConfigurationError
+
+    usage = "pass a list of (trainer, sampler) pairs of variant names, e.g. [('bf16', 'bf16_decode')]"
+    if isinstance(pairs, (str, bytes, Mapping)) or not isinstance(pairs, (Sequence, Iterator)):
+        raise ConfigurationError(f"logprob_mismatch: got {pairs!r}; {usage}")
+    items = list(pairs)
+    if not items:
+        raise ConfigurationError(f"logprob_mismatch: no pair given; {usage}")
+    if len(items) == 2 and all(isinstance(item, str) for item in items):
+        shown = items if isinstance(pairs, Iterator) else pairs
+        raise ConfigurationError(
+            f"logprob_mismatch: got one pair {shown!r}, not a list of pairs; pass [{tuple(items)!r}]"
+        )
+    checked: list[tuple[str, str]] = []
+    for index, pair in enumerate(items):
+        where = f"logprob_mismatch: pairs[{index}] = {pair!r}"
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ConfigurationError(f"{where} is not a (trainer, sampler) pair of two variant names; {usage}")
+        for variant in pair:
+            if not isinstance(variant, str):
+                raise ConfigurationError(f"{where}: {variant!r} is not a variant name (a str); {usage}")
+        trainer, sampler = pair
+        if trainer == sampler:
+            raise ConfigurationError(
+                f"{where} pairs {trainer!r} with itself: its mismatch is zero by construction; pair a trainer "
+                "variant with a different sampler variant"
+            )
+        names = [f"{a} vs {b}" for a, b in checked]
+        if f"{trainer} vs {sampler}" in names:  # the same pair, or one whose "<trainer> vs <sampler>" name is the same
+            first = names.index(f"{trainer} vs {sampler}")
+            raise ConfigurationError(
+                f"{where} repeats pairs[{first}] = {checked[first]!r} (each pair is one variant "
+                f"'{trainer} vs {sampler}' of the result); give each pair once"
+            )
+        for variant in pair:
+            if variant not in known:
+                raise ConfigurationError(
+                    f"{where}: no log-probabilities of variant {variant!r} in this report; variants with them: "
+                    f"{', '.join(known) or 'none'} (compare() keeps them in memory for causal LMs, not in files)"
+                )
+        checked.append((trainer, sampler))
+    return checked
+
+
 @dataclass
 class PrecisionReport:
     """Records of every variant against the reference, in capture (execution) order."""
@@ -162,31 +210,20 @@ class PrecisionReport:
         self._records[variant] = sorted(records, key=lambda r: kind_rank(r.kind))
         self.missing[variant] = missing
 
-    def logprob_mismatch(self, pairs: Sequence[tuple[str, str]], *, clip_eps: float | None = None) -> PrecisionReport:
+    def logprob_mismatch(self, pairs: Iterable[Sequence[str]], *, clip_eps: float | None = None) -> PrecisionReport:
         """Trainer-vs-sampler mismatch of pairs of this report's variants, in one report: per pair (trainer,
         sampler) a variant "<trainer> vs <sampler>" with one "logprob" row as compare_logprobs(trainer, sampler)
         gives it: delta = logpi_trainer - logpi_sampler (the log of RL's importance ratio) and its statistics,
         and the decomposition against this report's reference, the same for both sides (rms_floor 0): rho is
         the correlation of the two variants' own errors, rms_e_diff the size of the mismatch. Gate it with
         assert_precision_within like any report. The log-probs are kept in memory by compare() for causal LMs
-        (not in report files)."""
+        (not in report files). `pairs` is a list (tuple, iterator) of pairs, all checked before any is measured:
+        anything else is a ConfigurationError naming the pair."""
         from .cross_engine import compare_logprobs
-        from .errors import ConfigurationError
         from .logprobs import DEFAULT_CLIP_EPS
 
-        if not pairs or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
-            raise ConfigurationError(
-                f"logprob_mismatch: pass a list of (trainer, sampler) variant pairs, got {pairs!r}"
-            )
         merged: PrecisionReport | None = None
-        for trainer, sampler in pairs:
-            for variant in (trainer, sampler):
-                if variant not in self.token_logprobs:
-                    known = ", ".join(self.token_logprobs) or "none"
-                    raise ConfigurationError(
-                        f"logprob_mismatch: no log-probabilities of variant {variant!r} in this report; variants "
-                        f"with them: {known} (compare() keeps them in memory for causal LMs, not in files)"
-                    )
+        for trainer, sampler in _mismatch_pairs(pairs, list(self.token_logprobs)):
             name = f"{trainer} vs {sampler}"
             pair = compare_logprobs(
                 self.token_logprobs[trainer].cpu(),

@@ -11,6 +11,10 @@
 
 A folder that exists and is not empty is refused (an earlier run's files beside this one's would be read as
 this one's) unless `overwrite`: then this module's own files in it are removed first, and nothing else.
+
+While a run goes on, its claim file `.pytest-precision-run.lock` (pid, host, start time) holds the folder: a
+second run into it is refused, also with `overwrite`, so that the files of two runs never mix. The claim goes
+when the run ends, however it ends; one left by a killed run (its pid gone on this host) is taken over.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .atomic_files import Claim, claim_exclusively, claim_names, write_atomically
 from .errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -36,26 +41,45 @@ LOGPROBS_DIR = "logprobs"
 #: The name of the reference run's log-prob file (variant files carry the variant's name).
 REFERENCE_RUN = "reference"
 OWN_FILES = (REPORT_FILE, SUMMARY_FILE, PLOT_FILE, INPUTS_FILE)
+#: The claim file of the run writing the folder (see claim_exclusively).
+CLAIM_FILE = ".pytest-precision-run.lock"
 
 
-def prepare_output_dir(directory: Path, *, overwrite: bool) -> None:
-    """Check, before any run, that `directory` can take this run's files: absent or empty, or with
-    `overwrite` holding an earlier run's (removed by write_outputs once this run has succeeded, so that a
-    failed run loses nothing). Refused: a file in its place, a non-empty folder without `overwrite`."""
+def prepare_output_dir(directory: Path, *, overwrite: bool) -> Claim:
+    """Claim `directory` for this run and check, before the run, that it can take the run's files: absent or
+    empty, or with `overwrite` holding an earlier run's (removed by write_outputs once this run has succeeded,
+    so that a failed run loses nothing). Refused: a file in its place, a folder another run is writing, a
+    non-empty folder without `overwrite`. The caller releases the claim when the run ends."""
     if directory.exists() and not directory.is_dir():
         raise PrecisionError(f"--output-dir {directory}: a file is in its place; choose a folder")
-    if not overwrite and directory.is_dir() and any(directory.iterdir()):
-        raise PrecisionError(
-            f"--output-dir {directory} is not empty: an earlier run's files would sit beside this run's and "
-            "be read as its; choose a new folder, or pass --overwrite to replace the files a run writes there"
-        )
+    claim_path = directory / CLAIM_FILE
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".pytest-precision-write-check"
-        probe.write_bytes(b"")
-        probe.unlink()
+        claim = claim_exclusively(claim_path)
     except OSError as error:
         raise PrecisionError(f"--output-dir {directory}: cannot write there ({error.strerror or error})") from None
+    if not isinstance(claim, Claim):
+        who = "one starting just now"  # its claim file is created, its pid not yet written
+        if claim.pid is not None:
+            host = f" on {claim.host}" if claim.host else ""
+            started = f", started {claim.started}" if claim.started else ""
+            who = f"pid {claim.pid}{host}{started}"
+        raise PrecisionError(
+            f"another pytest-precision run ({who}) is writing {directory}; wait for it or choose another "
+            f"--output-dir (if that run is gone, delete {claim_path})"
+        )
+    try:
+        # Checked while holding the claim: no other run can start writing here between the check and the run.
+        # The claim's own files are no earlier run's.
+        if not overwrite and any(entry.name not in claim_names(claim_path) for entry in directory.iterdir()):
+            raise PrecisionError(
+                f"--output-dir {directory} is not empty: an earlier run's files would sit beside this run's and "
+                "be read as its; choose a new folder, or pass --overwrite to replace the files a run writes there"
+            )
+    except BaseException:
+        claim.release()
+        raise
+    return claim
 
 
 def _remove_own_files(directory: Path) -> None:
@@ -89,13 +113,14 @@ def _numpy_logprobs(values: torch.Tensor, mask: torch.Tensor | None) -> Any:
 
 
 def _save_array(path: Path, array: Any) -> None:
-    """np.save through a temporary file and os.replace: never a half-written file."""
+    """np.save, atomically. Through an open file: given a path, np.save would add .npy to the temporary name."""
     import numpy as np
 
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(temporary, "wb") as handle:
-        np.save(handle, array)
-    os.replace(temporary, path)
+    def save(temporary: Path) -> None:
+        with open(temporary, "wb") as handle:
+            np.save(handle, array, allow_pickle=False)
+
+    write_atomically(path, save)
 
 
 def write_inputs(directory: Path, inputs: Mapping[str, torch.Tensor]) -> Path:
@@ -103,9 +128,8 @@ def write_inputs(directory: Path, inputs: Mapping[str, torch.Tensor]) -> Path:
     from safetensors.torch import save_file
 
     path = directory / INPUTS_FILE
-    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    save_file({name: tensor.detach().cpu().contiguous().clone() for name, tensor in inputs.items()}, temporary)
-    os.replace(temporary, path)
+    tensors = {name: tensor.detach().cpu().contiguous().clone() for name, tensor in inputs.items()}
+    write_atomically(path, lambda temporary: save_file(tensors, os.fspath(temporary)))
     return path
 
 
@@ -193,7 +217,6 @@ def write_outputs(
 ) -> list[Path]:
     """Every file of the module docstring (the plot only with matplotlib), after removing an earlier run's
     when `overwrite`; the paths written."""
-    from .atomic_files import write_atomically
     from .baseline import json_ready
     from .environment import session_environment
     from .plots import plot_error_vs_depth
@@ -223,4 +246,4 @@ def write_outputs(
     return written
 
 
-__all__ = ["prepare_output_dir", "report_document", "write_outputs"]
+__all__ = ["CLAIM_FILE", "prepare_output_dir", "report_document", "write_outputs"]

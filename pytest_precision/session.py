@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .atomic_files import write_atomically
+from .environment import DRIFT_DEFAULTS, DRIFT_FIELDS
 from .errors import BaselineError, ConfigurationError, PrecisionError
 
 if TYPE_CHECKING:
@@ -40,10 +40,6 @@ OPTION_UPDATE = "precision_update"
 #: The flag that refreshes baselines in this process, as failure messages print it: --precision-update when
 #: another plugin or conftest owns --update-baselines (set by the plugin at configure time).
 UPDATE_FLAGS = ["--update-baselines"]
-#: The environment fields whose change is worth a warning: they pick other kernels or thread splits.
-DRIFT_FIELDS = ("torch", "device", "threads", "cpu_capability", "world_size", "mesh")
-#: What a baseline without the field was measured with (files from before the field was recorded).
-DRIFT_DEFAULTS: dict[str, Any] = {"world_size": 1, "mesh": None}
 
 STEMS_KEY = pytest.StashKey[set[str]]()
 TABLES_KEY = pytest.StashKey[list[str]]()
@@ -83,9 +79,23 @@ def unasserted_run(item: pytest.Item) -> str | None:
 
 
 def option(config: pytest.Config, name: str) -> Any:
-    """The command-line value when given, else the ini value (every option but --update-baselines has one)."""
+    """The command-line value when given, else the ini value (every option but --update-baselines has one).
+
+    An empty value given on purpose (`--precision-metrics "$M"` or `-o precision_metrics=$M` with M unset, an
+    empty ini line) is a UsageError naming the option: read as "not given" it would drop the ini's value for
+    the built-in default, and a gate would quietly check less. (The ini twins of text options default to None,
+    so that only a value someone wrote can be empty.)
+    """
     value = config.getoption(name)
-    return config.getini(name) if value is None else value
+    given = f"--{name.replace('_', '-')}"
+    if value is None:
+        value, given = config.getini(name), f"ini {name} (in {config.inipath or 'the ini file'} or -o)"
+    if isinstance(value, str) and not value.strip():
+        raise pytest.UsageError(
+            f"{given} is empty (an unset variable?): give it a value, or leave it out for the default "
+            f"(the ini's {name}, else the built-in one)"
+        )
+    return value
 
 
 def _level_option(config: pytest.Config, name: str) -> Level:
@@ -430,16 +440,23 @@ class PrecisionSession:
         if result.worst_ratio is not None:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
         parts = []
+        full_list = self._full_list_hint(item.nodeid)
         if result.violations:
             parts.append(
                 messages.regression_message(
-                    result.violations, result.gated, shown, nodeid, order, getattr(report, "nonfinite_origin", {})
+                    result.violations,
+                    result.gated,
+                    shown,
+                    nodeid,
+                    order,
+                    getattr(report, "nonfinite_origin", {}),
+                    full_list=full_list,
                 )
             )
         if limit_violations:
-            parts.append(messages.limit_message(limit_violations, order))
+            parts.append(messages.limit_message(limit_violations, order, full_list=full_list))
         if result.improvements and self.strict:
-            parts.append(messages.improvement_message(result.improvements, shown, nodeid, order))
+            parts.append(messages.improvement_message(result.improvements, shown, nodeid, order, full_list=full_list))
         if self.update and self.update_mode == "failing" and parts:
             return update()  # the rewritten file holds this run's numbers: nothing improved against it
         if result.improvements and not self.strict:
@@ -447,6 +464,18 @@ class PrecisionSession:
         if self.update and self.update_mode == "failing":
             return "kept", None
         return ("failed", "\n".join(parts)) if parts else ("passed", None)
+
+    def _full_list_hint(self, nodeid: str) -> str:
+        """Where a failure message's left-out rows are: the --precision-report files of this session (written
+        when it ends), or how to get them."""
+        from . import messages
+        from .plots import plot_path
+
+        if self.report_dir is None:
+            return messages.FULL_LIST_HINT
+        report = self._shown(self.report_dir)
+        plot = self._shown(plot_path(self.report_dir, nodeid))
+        return f"every row in {report / 'summary.md'}, the error-vs-depth plot in {plot}, when the session ends"
 
     def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> None:
         """Remember, once per file, which environment fields differ from the baseline's (never a failure)."""
@@ -506,6 +535,7 @@ class PrecisionSession:
         A file that cannot be written (read-only folder, a folder in its place, a name too long) is a
         BaselineError naming it and the OS error."""
         from . import baseline as baselines
+        from .atomic_files import write_atomically
 
         try:
             if path.is_file() and baselines.numbers_unchanged(path, document):
@@ -647,6 +677,8 @@ class PrecisionSession:
             "drift": self.drift,
             "tests": self.tests,
         }
+        from .atomic_files import write_atomically
+
         write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")
         self._write_summary_and_plots(document)
         return path

@@ -233,7 +233,8 @@ def merged_levels(lower: Level, higher: float | Mapping[str, float] | None) -> L
 
 def parsed_level(text: str, setting: str) -> Level:
     """An ini or command-line rtol/atol: "0.2", "max_rel=0.5", or both ("0.2, max_rel=0.5 sqnr_db=0.01"),
-    separated by commas or spaces."""
+    separated by commas or spaces. A number for every metric, or one metric's, given twice is an error: the
+    last would silently win ("0.1 50", "max_rel=0.1 max_rel=50"), and which one was meant is anyone's guess."""
     number: float | None = None
     per_metric: dict[str, float] = {}
     for part in text.replace(",", " ").split():
@@ -249,8 +250,16 @@ def parsed_level(text: str, setting: str) -> Level:
         if parsed < 0:
             raise ConfigurationError(f"{setting} must be >= 0, got {text!r}")
         if equals:
+            if metric in per_metric:
+                raise ConfigurationError(
+                    f"{setting}: {metric} is given twice in {text!r}; give each metric's value once"
+                )
             per_metric[metric] = parsed
         else:
+            if number is not None:
+                raise ConfigurationError(
+                    f"{setting}: two numbers for every metric in {text!r}; give one (and METRIC=VALUE entries)"
+                )
             number = parsed
     return number, per_metric
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .arrangements import Arrangement, resolve_arrangement
 from .errors import ConfigurationError
+from .file_names import windows_device_name
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +36,21 @@ _DTYPE_ALIASES: dict[str, DTypeName] = {
 HEAD_MODULE = "<output head>"
 #: The FSDP2 MixedPrecisionPolicy fields a Variant can set.
 FSDP_KNOBS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+
+def checked_file_name(name: str, where: str) -> str:
+    """`name`, which names files (logprobs/<name>.npy of `pytest-precision run`), unless Windows reads it as a
+    device (file_names.windows_device_name): then a ConfigurationError headed `where`, with a name to use."""
+    device = windows_device_name(name)
+    if device is not None:
+        base, dot, rest = name.partition(".")
+        other = f"{base.strip()}_{dot}{rest}"
+        raise ConfigurationError(
+            f"{where}: {device!r} is a device name Windows reserves (CON, PRN, AUX, NUL, COM1-9, LPT1-9; in any "
+            f"case, with any extension), and a variant's name names files (logprobs/<name>.npy of pytest-precision "
+            f"run); choose another name, e.g. {other!r}"
+        )
+    return name
 
 
 def dtype_name(dtype: object) -> DTypeName:
@@ -94,6 +110,8 @@ class Variant:
     arrangement: Arrangement | str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.name, str):
+            checked_file_name(self.name, f"variant {self.name!r}")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
         object.__setattr__(self, "arrangement", resolve_arrangement(self.arrangement, self.name))
         if not isinstance(self.isolate, bool):
@@ -223,8 +241,15 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
 _VARIANT_FIELDS = frozenset(f.name for f in dataclasses.fields(Variant))
 
 
-def resolve_variant(spec: str | Variant | Mapping[str, Any], *, argument: str = "variants") -> Variant:
-    """A Variant from a built-in name, a Variant, or a dict of Variant fields."""
+#: How to give a variant of one's own, in the unknown-variant message of the Python API.
+OWN_VARIANT_ADVICE = "pass pytest_precision.Variant(name=..., dtype=..., ...)"
+
+
+def resolve_variant(
+    spec: str | Variant | Mapping[str, Any], *, argument: str = "variants", own: str = OWN_VARIANT_ADVICE
+) -> Variant:
+    """A Variant from a built-in name, a Variant, or a dict of Variant fields. An unknown name is refused with
+    the built-in names and `own`, how to give one's own variant where `argument` comes from."""
     if isinstance(spec, Variant):
         return spec
     if isinstance(spec, str):
@@ -232,8 +257,7 @@ def resolve_variant(spec: str | Variant | Mapping[str, Any], *, argument: str = 
             return BUILTIN_VARIANTS[spec]
         except KeyError:
             raise ConfigurationError(
-                f"{argument}: unknown variant {spec!r}. Built-in variants: {', '.join(BUILTIN_VARIANTS)}; "
-                "or pass pytest_precision.Variant(name=..., dtype=..., ...)"
+                f"{argument}: unknown variant {spec!r}. Built-in variants: {', '.join(BUILTIN_VARIANTS)}; or {own}"
             ) from None
     if isinstance(spec, Mapping):
         unknown = sorted(set(spec) - _VARIANT_FIELDS)

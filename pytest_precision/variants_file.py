@@ -3,7 +3,8 @@
 JSON: a list of objects, or an object {"variants": [...]}. TOML (Python 3.11+, or with tomli installed):
 an array of tables `[[variants]]`. Each entry takes the fields of Variant that need no Python:
 
-    name                 required; letters, digits and _ . + - (it names files: logprobs/<name>.npy)
+    name                 required; letters, digits and _ . + - (it names files: logprobs/<name>.npy), not a
+                         device name Windows reserves (CON, NUL, COM1, ..., also as "con.x")
     dtype                "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", "float64"/"fp64"
     autocast             true: fp32 weights, the forward under torch.autocast(dtype)
     fp32_modules         list of full-match regexes of modules computed in fp32 ("<output head>": the LM head)
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigurationError
-from .variants import Variant
+from .variants import Variant, checked_file_name
 
 #: The fields a variants file may give, with what each must be (for the error messages).
 FILE_FIELDS: dict[str, str] = {
@@ -40,7 +41,7 @@ FILE_FIELDS: dict[str, str] = {
 #: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
 #: Names the command uses for files of its own.
-RESERVED_NAMES = frozenset({"reference"})
+TAKEN_NAMES = frozenset({"reference"})
 
 
 def _toml_module() -> Any:
@@ -140,8 +141,9 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
     name = entry.get("name")
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
         raise ConfigurationError(f"{where}: 'name' must be {FILE_FIELDS['name']}, got {name!r}")
-    if name.lower() in RESERVED_NAMES:
+    if name.lower() in TAKEN_NAMES:
         raise ConfigurationError(f"{where}: the name {name!r} is taken by the reference run's files; choose another")
+    checked_file_name(name, where)
     fields: dict[str, Any] = {"name": name}
 
     def wrong(field: str) -> ConfigurationError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -174,6 +175,58 @@ def test_tolerance_ini_and_command_line(pytester, monkeypatch):
         result = run(pytester, *args)
         assert failed_tests(result) == failed, (ini, args)
         result.assert_outcomes(passed=2 - len(failed), failed=len(failed))
+
+
+CALL_METRICS_TESTS = """
+from tinymodel import run
+
+
+def test_call_gates_max_rel(precision, assert_precision_within):
+    assert_precision_within(run(precision), metrics=["rms_rel", "max_rel"])
+
+
+def test_call_gates_rms_rel(precision, assert_precision_within):
+    assert_precision_within(run(precision), metrics=["rms_rel"])
+
+
+def test_session_metrics(precision, assert_precision_within):
+    assert_precision_within(run(precision))
+"""
+
+
+def test_a_calls_metrics_win_over_the_ini_and_the_command_line(pytester, monkeypatch):
+    """metrics= of a call is what its gate checks, whatever the ini or the command line say; a call that names
+    none gets theirs (command line > ini > rms_rel). The session report's gate.metrics says what was gated."""
+    project(pytester, monkeypatch, test_call_metrics=CALL_METRICS_TESTS)
+    run(pytester, "--update-baselines").assert_outcomes(passed=3)
+    for path in (pytester.path / "baselines/test_call_metrics").iterdir():
+        document = json.loads(path.read_text(encoding="utf-8"))
+        for entry in document["variants"].values():
+            for record in entry["records"]:
+                if record.get("max_rel"):
+                    record["max_rel"] /= 10  # this run's max_rel is 10x the baseline's; rms_rel as it was
+        path.write_text(json.dumps(document, indent=1), encoding="utf-8")
+    both = ["rms_rel", "max_rel"]
+    cases = [
+        ("precision_metrics = rms_rel", [], ["rms_rel"], ["test_call_gates_max_rel"]),
+        ("precision_metrics = rms_rel max_rel", [], both, ["test_call_gates_max_rel", "test_session_metrics"]),
+        ("", ["--precision-metrics", "rms_rel,max_rel"], both, ["test_call_gates_max_rel", "test_session_metrics"]),
+        ("precision_metrics = max_rel", ["--precision-metrics=rms_rel"], ["rms_rel"], ["test_call_gates_max_rel"]),
+    ]
+    for ini, args, session_metrics, failed in cases:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+        result = run(pytester, "--precision-report", "report", *args)
+        assert failed_tests(result) == failed, (ini, args, output(result))
+        if "test_call_gates_max_rel" in failed:
+            rows = table_rows(failure(result, "test_call_gates_max_rel"))
+            assert {row[3] for row in rows} == {"max_rel"}
+        report = json.loads((pytester.path / "report/precision-report.json").read_text(encoding="utf-8"))
+        gated = {nodeid.split("::")[1]: entry["gate"]["metrics"] for nodeid, entry in report["tests"].items()}
+        assert gated == {
+            "test_call_gates_max_rel": both,
+            "test_call_gates_rms_rel": ["rms_rel"],
+            "test_session_metrics": session_metrics,
+        }, (ini, args)
 
 
 def test_bad_marker_and_tolerance_arguments(pytester, monkeypatch):

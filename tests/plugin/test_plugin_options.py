@@ -242,3 +242,56 @@ def test_compare_is_importable_after_the_fixture_ran(pytester, monkeypatch):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize(
+    ("args", "given"),
+    [
+        # An unset CI variable: `--precision-metrics "$M"`. Read as "not given", it dropped the ini's metrics.
+        (["--precision-metrics", ""], "--precision-metrics"),
+        (["--precision-metrics=  "], "--precision-metrics"),
+        (["--precision-rtol", ""], "--precision-rtol"),
+        (["--precision-atol="], "--precision-atol"),
+        (["--precision-baseline-dir", ""], "--precision-baseline-dir"),
+        (["--precision-report", ""], "--precision-report"),
+        (["-o", "precision_metrics="], "ini precision_metrics (in "),
+        (["-o", "precision_rtol= "], "ini precision_rtol (in "),
+        (["-o", "precision_baseline_dir="], "ini precision_baseline_dir (in "),
+    ],
+)
+def test_an_empty_option_is_a_usage_error_naming_it(pytester, monkeypatch, args, given):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    pytester.makeini("[pytest]\nprecision_metrics = rms_rel max_rel\nprecision_rtol = 0.1\nprecision_atol = 1e-5\n")
+    result = run(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
+    assert f"ERROR: {given}" in output(result)
+    assert "is empty (an unset variable?): give it a value, or leave it out for the default" in output(result)
+    assert "Traceback" not in output(result)
+
+
+def test_an_empty_line_in_the_ini_is_a_usage_error(pytester, monkeypatch):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    pytester.makeini("[pytest]\nprecision_metrics =\n")
+    result = run(pytester)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: ini precision_metrics (in {pytester.path / 'tox.ini'} or -o) is empty" in output(result)
+    # Unset, every option has its default: the run goes ahead.
+    pytester.makeini("[pytest]\n")
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+
+
+@pytest.mark.parametrize(
+    ("ini", "args", "message"),
+    [
+        ("", ["--precision-rtol", "max_rel=0.1 max_rel=50"], "precision_rtol: max_rel is given twice in"),
+        ("", ["--precision-rtol=0.1 50"], "precision_rtol: two numbers for every metric in '0.1 50'"),
+        ("precision_atol = 1e-5, max_abs=1 max_abs=2", [], "precision_atol: max_abs is given twice in"),
+        ("precision_atol = 1e-5 1e-3", [], "precision_atol: two numbers for every metric in '1e-5 1e-3'"),
+    ],
+)
+def test_a_tolerance_given_twice_at_one_level_is_a_usage_error(pytester, monkeypatch, ini, args, message):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    result = run(pytester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, output(result)
+    assert message in output(result)

@@ -211,11 +211,15 @@ def test_session_report_and_summary_carry_environment_stale_files_drift_and_plot
     _git(pytester, "add", ".")
     _git(pytester, "commit", "-q", "-m", "tests")
     commit = _git(pytester, "rev-parse", "HEAD")
+    # Untracked files do not make a checkout dirty: a new baseline not yet added is one. The git state is read
+    # once, before the first baseline is written, so an untracked file must exist by then to be seen.
+    (pytester.path / "notes.txt").write_text("not added")
+    assert _git(pytester, "status", "--porcelain") == "?? notes.txt"
     git_state.cache_clear()
     run(pytester, "--update-baselines").assert_outcomes(passed=2)
     path = baseline_file(pytester, "test_stale", "test_kept")
     environment = json.loads(path.read_text())["environment"]
-    assert environment["commit"] == commit and environment["dirty"] is False  # baselines are untracked yet
+    assert environment["commit"] == commit and environment["dirty"] is False
     assert environment["pytest_precision"] and environment["cpu_capability"]
     assert environment["gpu"] is None and environment["cuda"] is None and environment["cudnn"] is None
 

@@ -86,14 +86,46 @@ def test_loss_scales_are_written_and_read_back_exactly(tmp_path: Path, scale: fl
     assert load_baseline(path, REFRESH).loss_scales() == {"fp16": scale}
 
 
-def test_unchanged_ignores_the_environment_but_not_the_numbers(written: Path) -> None:
-    other_machine = document(sample_report(), "t.py::t", {"torch": "2.14", "threads": 64})
-    assert numbers_unchanged(written, other_machine)
-    moved = document(sample_report(2.0**20), "t.py::t", {"torch": "2.13"})
-    assert not numbers_unchanged(written, moved)
+#: A whole environment block as environment() writes it, on the machine that wrote the baseline.
+MACHINE = {
+    "torch": "2.13.0+cpu",
+    "device": "cpu: x86_64",
+    "threads": 2,
+    "cpu_capability": "AVX2",
+    "world_size": 1,
+    "mesh": None,
+    "commit": "a" * 40,
+    "python": "3.11.7",
+}
+
+
+def test_unchanged_ignores_the_commit_and_versions_but_not_the_numbers(tmp_path: Path) -> None:
+    written = write(tmp_path / "t.cpu.json", document(sample_report(), "t.py::t", MACHINE))
+    later = {**MACHINE, "commit": "b" * 40, "python": "3.12.1", "date": "2026-12-05T00:00:00+00:00"}
+    assert numbers_unchanged(written, document(sample_report(), "t.py::t", later))
+    assert not numbers_unchanged(written, document(sample_report(2.0**20), "t.py::t", MACHINE))
     report = sample_report()
     report.add("bf16", run_info("bf16"), [tensor("inf", rms_rel=0.02)], [])
-    assert not numbers_unchanged(written, document(report, "t.py::t", {"torch": "2.13"}))
+    assert not numbers_unchanged(written, document(report, "t.py::t", MACHINE))
+
+
+@pytest.mark.parametrize(
+    "field, value", [("torch", "2.14.0"), ("threads", 64), ("cpu_capability", "AVX512"), ("world_size", 2)]
+)
+def test_a_refresh_rewrites_a_file_measured_where_a_drift_field_differed(
+    tmp_path: Path, field: str, value: object
+) -> None:
+    """Unchanged numbers on another machine still rewrite the file, or its drift warning would outlive the refresh."""
+    written = write(tmp_path / "t.cpu.json", document(sample_report(), "t.py::t", MACHINE))
+    assert not numbers_unchanged(written, document(sample_report(), "t.py::t", {**MACHINE, field: value}))
+
+
+@pytest.mark.parametrize("missing", ["cpu_capability", "world_size", "mesh"])
+def test_a_refresh_rewrites_a_file_that_lacks_a_drift_field(tmp_path: Path, missing: str) -> None:
+    """Files from before a field was recorded get it at the next refresh (the ISA-drift warning needs it)."""
+    old = {k: v for k, v in MACHINE.items() if k != missing}
+    written = write(tmp_path / "t.cpu.json", document(sample_report(), "t.py::t", old))
+    assert not numbers_unchanged(written, document(sample_report(), "t.py::t", MACHINE))
 
 
 def record_of(data: dict[str, Any], variant: str = "fp16", index: int = 1) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,28 +31,54 @@ WORSE_TENSOR = ("model.layers.2", "fw")
 
 
 def write_baseline(
-    root: Path, test_id: str, *, factor: float = 1.0, stem: str | None = None, device: str = "cpu"
+    root: Path,
+    test_id: str,
+    *,
+    factor: float = 1.0,
+    stem: str | None = None,
+    device: str = "cpu",
+    max_rel: float = 1.0,
 ) -> Path:
     """A baseline of `test_id` under `root`, written by the plugin's own writer (document, render,
-    write_atomically) from SOURCE's numbers; `factor` scales fp16's rms_rel of WORSE_TENSOR."""
+    write_atomically) from SOURCE's numbers; `factor` scales fp16's rms_rel of WORSE_TENSOR, `max_rel` every
+    record's max_rel."""
     data = json.loads(SOURCE.read_text())
     content = document(report_from_document(data, SOURCE), test_id, data["environment"])
     for record in content["variants"]["fp16"]["records"]:
         if (record["name"], record["kind"]) == WORSE_TENSOR:
             record["rms_rel"] *= factor
+    for _, record in records(content):
+        if record.get("max_rel") is not None:
+            record["max_rel"] *= max_rel
     path = baseline_path(root, test_id.split("::")[0], stem or baseline_stem(test_id), device)
     write_atomically(path, render(content))
     return path
 
 
+def records(content: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for variant, entry in content["variants"].items():
+        for record in entry["records"]:
+            yield variant, record
+
+
 def cli(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr); an error is one line on stderr, never a traceback."""
+    """(exit code, stdout, stderr); an error is one line on stderr, never a traceback. The gate line that ends
+    the output of a diff that ran is left out (see `gated`)."""
+    code, out, err, _ = gated(capsys, *args)
+    return code, out, err
+
+
+def gated(capsys: pytest.CaptureFixture[str], *args: str | Path) -> tuple[int, str, str, str]:
+    """(exit code, stdout without its last line, stderr, that last line: what was gated and where from)."""
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     assert "Traceback" not in out + err
     if code == 2:
         assert err.count("\n") == 1 and err.startswith("pytest-precision diff: "), err
-    return code, out, err
+        return code, out, err, ""
+    *lines, gate = out.splitlines()
+    assert gate.startswith("gate: metrics "), out
+    return code, "".join(f"{line}\n" for line in lines), err, gate
 
 
 @pytest.fixture
@@ -368,3 +395,237 @@ def test_against_outside_a_git_checkout(
     code, _, err = cli(capsys, "diff", "--against", "main", "old")
     assert code == 2 and f"--against needs a git checkout, and {old.parent} is not in one" in err
     assert "pytest-precision diff OLD_DIR NEW_DIR" in err
+
+
+# ---------------------------------------------------------------- what diff gates: the project's config file
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project folder (the current directory) holding OLD and NEW baseline folders: in NEW, every max_rel
+    of TEST_A is 10x worse, its rms_rel as in OLD."""
+    root = tmp_path / "project"
+    for side, factor in (("old", 1.0), ("new", 10.0)):
+        write_baseline(root / side, TEST_A, max_rel=factor)
+        write_baseline(root / side, TEST_B)
+    monkeypatch.chdir(root)
+    return root
+
+
+#: (file, content) setting precision_metrics = rms_rel max_rel, in each place pytest reads it from.
+METRICS_IN = [
+    ("pytest.ini", "[pytest]\nprecision_metrics = rms_rel max_rel\n"),
+    (".pytest.ini", "[pytest]\nprecision_metrics = rms_rel,max_rel\n"),
+    ("pyproject.toml", '[tool.pytest.ini_options]\nprecision_metrics = "rms_rel max_rel"\n'),
+    ("tox.ini", "[tox]\nenvlist = py\n\n[pytest]\nprecision_metrics =\n    rms_rel\n    max_rel\n"),
+    ("setup.cfg", "[metadata]\nname = x\n\n[tool:pytest]\nprecision_metrics = rms_rel max_rel\n"),
+]
+if int(pytest.__version__.split(".")[0]) >= 9:  # pytest 9's own TOML file and pyproject's native table
+    METRICS_IN += [
+        ("pytest.toml", '[pytest]\nprecision_metrics = "rms_rel max_rel"\n'),
+        ("pyproject.toml", '[tool.pytest]\nprecision_metrics = ["rms_rel", "max_rel"]\n'),
+    ]
+
+
+@pytest.mark.parametrize(("name", "content"), METRICS_IN, ids=[f"{n}-{i}" for i, (n, _) in enumerate(METRICS_IN)])
+def test_the_projects_ini_metrics_are_gated_and_the_command_line_overrides_them(
+    capsys: pytest.CaptureFixture[str], project: Path, name: str, content: str
+) -> None:
+    code, out, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 0 and gate.startswith("gate: metrics rms_rel (built-in)")  # max_rel goes unseen
+    (project / name).write_text(content)
+    code, out, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 1, out
+    assert f"== {TEST_A} [cpu]: 220 of 440 tensor metrics worse beyond rtol 0.1" in out
+    assert f"== {TEST_B} [cpu]: unchanged (440 tensor metrics)" in out
+    assert gate == (
+        f"gate: metrics rms_rel, max_rel ({name} precision_metrics); rtol 0.1 (built-in); atol 1e-05 (built-in); "
+        f"pytest config: {name}"
+    )
+    code, _, _, gate = gated(capsys, "diff", "old", "new", "--metric", "rms_rel")
+    assert code == 0 and gate.startswith("gate: metrics rms_rel (--metric); ")
+
+
+def test_the_projects_ini_tolerances_apply_and_the_command_line_overrides_them(
+    capsys: pytest.CaptureFixture[str], project: Path
+) -> None:
+    (project / "pytest.ini").write_text(
+        "[pytest]\nprecision_metrics = rms_rel max_rel\nprecision_rtol = 0.2 max_rel=10\nprecision_atol = max_rel=1\n"
+    )
+    code, _, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 0
+    assert gate == (
+        "gate: metrics rms_rel, max_rel (pytest.ini precision_metrics); rtol 0.2 (max_rel 10) (pytest.ini "
+        "precision_rtol); atol 1e-05 (max_rel 1) (pytest.ini precision_atol); pytest config: pytest.ini"
+    )
+    # --rtol replaces the ini's rtol whole, as the plugin's option does; the ini's atol stays.
+    code, out, _, gate = gated(capsys, "diff", "old", "new", "--rtol", "max_rel=5")
+    assert code == 0 and "atol 1e-05 (max_rel 1) (pytest.ini precision_atol)" in gate  # max_rel atol 1 still hides it
+    code, out, _, gate = gated(capsys, "diff", "old", "new", "--rtol", "max_rel=5", "--atol", "1e-5")
+    assert code == 1 and f"== {TEST_A} [cpu]: 220 of 440 tensor metrics worse beyond rtol 0.1 (max_rel 5)" in out
+    assert "; rtol 0.1 (max_rel 5) (--rtol); atol 1e-05 (--atol); " in gate
+
+
+def test_addopts_wins_over_the_ini_key_as_on_the_command_line(
+    capsys: pytest.CaptureFixture[str], project: Path
+) -> None:
+    (project / "pytest.ini").write_text(
+        "[pytest]\naddopts = -p no:cacheprovider --precision-metrics=rms_rel,max_rel\nprecision_metrics = rms_rel\n"
+    )
+    code, _, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 1 and "(pytest.ini addopts --precision-metrics)" in gate
+
+
+def test_diff_against_a_ref_gates_what_the_projects_ini_gates(capsys: pytest.CaptureFixture[str], repo: Path) -> None:
+    (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\nprecision_metrics = "rms_rel max_rel"\n')
+    write_baseline(repo / "baselines", TEST_A, max_rel=10.0)  # not committed: what the pull request changes
+    code, out, _, gate = gated(capsys, "diff", "--against", "main")
+    assert code == 1 and f"== {TEST_A} [cpu]: 220 of 440 tensor metrics worse beyond rtol 0.1" in out
+    assert gate.endswith("pytest config: pyproject.toml")
+    # From a subdirectory, the config file is found from PATH upward, as pytest finds it.
+    (repo / "tests/sub").mkdir()
+    os.chdir(repo / "tests/sub")
+    code, _, _, gate = gated(capsys, "diff", "--against", "main", "../../baselines")
+    assert code == 1 and gate.endswith(f"pytest config: {repo / 'pyproject.toml'}")
+
+
+def test_the_config_file_is_the_one_pytest_would_read(capsys: pytest.CaptureFixture[str], project: Path) -> None:
+    # In one folder pytest.ini comes first, even without the setting; a tox.ini without [pytest] is no config.
+    (project / "pyproject.toml").write_text('[tool.pytest.ini_options]\nprecision_metrics = "rms_rel max_rel"\n')
+    (project / "pytest.ini").write_text("[pytest]\n")
+    assert gated(capsys, "diff", "old", "new")[0] == 0
+    (project / "pytest.ini").unlink()
+    (project / "tox.ini").write_text("[tox]\nenvlist = py\n")
+    code, _, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 1 and gate.endswith("pytest config: pyproject.toml")
+    # A config file nearer the paths wins over one further up; a file above the common folder counts.
+    (project / "old/pytest.ini").write_text("[pytest]\nprecision_metrics = rms_rel\n")
+    assert gated(capsys, "diff", "old", "new")[0] == 1  # the common folder is project/
+    (project / "new/pytest.ini").write_text("[pytest]\nprecision_metrics = rms_rel\n")
+    assert gated(capsys, "diff", "new/tests/test_a/test_one.cpu.json", "new/tests/test_a/test_one.cpu.json")[3] == (
+        "gate: metrics rms_rel (new/pytest.ini precision_metrics); rtol 0.1 (built-in); atol 1e-05 (built-in); "
+        "pytest config: new/pytest.ini"
+    )
+
+
+def test_a_scratch_copy_elsewhere_still_gets_the_projects_config(
+    capsys: pytest.CaptureFixture[str], project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`git show main:x.json > /tmp/old.json; diff /tmp/old.json x.json`: their common folder holds no config;
+    as pytest does, each path's own folder is then searched upward."""
+    (project / "pytest.ini").write_text("[pytest]\nprecision_metrics = rms_rel max_rel\n")
+    scratch = tmp_path_factory.mktemp("scratch") / "old.json"
+    scratch.write_bytes((project / "old/tests/test_a/test_one.cpu.json").read_bytes())
+    code, _, _, gate = gated(capsys, "diff", scratch, "new/tests/test_a/test_one.cpu.json")
+    assert code == 1 and gate.endswith("pytest config: pytest.ini")
+
+
+@pytest.mark.parametrize(
+    ("ini", "message"),
+    [
+        ("precision_metrics = rms_rel max_rell", "pytest.ini precision_metrics: metrics: unknown metric 'max_rell'"),
+        ("precision_metrics =", "pytest.ini precision_metrics is empty: give it a value, or remove it"),
+        ("precision_rtol = max_rel=0.1 max_rel=50", "pytest.ini precision_rtol: max_rel is given twice"),
+        ("precision_atol = lots", "pytest.ini precision_atol must be a number, got 'lots'"),
+    ],
+)
+def test_a_bad_gate_setting_in_the_config_file_exits_2_naming_it(
+    capsys: pytest.CaptureFixture[str], project: Path, ini: str, message: str
+) -> None:
+    (project / "pytest.ini").write_text(f"[pytest]\n{ini}\n")
+    code, _, err = cli(capsys, "diff", "old", "new")
+    assert code == 2 and err.startswith(f"pytest-precision diff: {message}"), err
+
+
+def test_a_metric_no_compared_file_holds_exits_2(capsys: pytest.CaptureFixture[str], trees: Any) -> None:
+    old, new = trees
+    for metric, why in (
+        ("underflow_frac", "range statistics are measured with compare(..., range_stats=True) only"),
+        ("rho", "cross-engine ones (rho, rms_e_*) in cross-engine reports"),
+    ):
+        code, _, err = cli(capsys, "diff", old, new, "--metric", "rms_rel", "--metric", metric)
+        assert code == 2 and err.startswith(
+            f"pytest-precision diff: --metric: no tensor of the compared files holds {metric}"
+        )
+        assert why in err
+    one = "tests/test_a/test_one.cpu.json"
+    code, _, err = cli(capsys, "diff", old / one, new / one, "--metric", "rho")
+    assert code == 2 and "holds rho" in err
+    assert cli(capsys, "diff", old, new, "--metric", "kl_mean")[0] == 0  # the logprob rows hold it
+
+
+def test_an_unknown_metric_lists_every_metric(capsys: pytest.CaptureFixture[str], trees: Any) -> None:
+    from pytest_precision.metrics import METRIC_DIRECTIONS
+
+    code, _, err = cli(capsys, "diff", *trees, "--metric", "max_rell")
+    assert code == 2 and err.startswith("pytest-precision diff: --metric: unknown metric(s) max_rell; choose from ")
+    listed = err.split("choose from ")[1].strip().split(", ")
+    assert listed == list(METRIC_DIRECTIONS)
+
+
+def session_report(gates: dict[str, Any], **factors: float) -> dict[str, Any]:
+    """A --precision-report document of TEST_A (every max_rel times factors["max_rel"]) whose entry records
+    `gates` as its gate (none when empty)."""
+    from pytest_precision.baseline import json_ready
+
+    content = document(report_from_document(json.loads(SOURCE.read_text()), SOURCE), TEST_A, {})
+    for _, record in records(content):
+        if record.get("max_rel") is not None:
+            record["max_rel"] *= factors.get("max_rel", 1.0)
+    report = report_from_document(content, SOURCE).to_dict()
+    entry = {"baseline": "x.json", "reference": report["reference"], "variants": report["variants"]}
+    if gates:
+        entry["gate"] = gates
+    written: dict[str, Any] = json_ready({"schema_version": 1, "baseline_dir": "baselines", "tests": {TEST_A: entry}})
+    return written
+
+
+def test_a_session_reports_recorded_gate_serves_where_nothing_else_sets_one(
+    capsys: pytest.CaptureFixture[str], project: Path
+) -> None:
+    from pytest_precision.tolerance import ToleranceRules
+
+    gate = {**ToleranceRules().to_dict(), "metrics": ["rms_rel", "max_rel"]}
+    (project / "old.json").write_text(json.dumps(session_report(gate)))
+    (project / "new.json").write_text(json.dumps(session_report(gate, max_rel=10.0)))
+    code, out, _ = cli(capsys, "diff", "old.json", "new.json")
+    assert code == 1
+    recorded = "rtol 0.1 on rms_rel, max_rel (the gate its session report recorded)"
+    assert f"== {TEST_A}: 220 of 440 tensor metrics worse beyond {recorded}" in out
+    # The recorded gate's tolerances too: max_rel loose enough.
+    loose = {**ToleranceRules(rtol={"max_rel": 10.0}).to_dict(), "metrics": ["rms_rel", "max_rel"]}
+    (project / "new.json").write_text(json.dumps(session_report(loose, max_rel=10.0)))
+    assert cli(capsys, "diff", "old.json", "new.json")[0] == 0
+    # The recorded gate is what the test's gate checked (its call's metrics= over the config file's): it wins
+    # over the config file, and --metric over both.
+    (project / "pytest.ini").write_text("[pytest]\nprecision_metrics = rms_rel\nprecision_rtol = 50\n")
+    (project / "new.json").write_text(json.dumps(session_report(gate, max_rel=10.0)))
+    assert cli(capsys, "diff", "old.json", "new.json")[0] == 1
+    assert cli(capsys, "diff", "old.json", "new.json", "--metric", "rms_rel")[0] == 0
+    assert cli(capsys, "diff", "old.json", "new.json", "--metric", "max_rel")[0] == 1
+    assert cli(capsys, "diff", "old.json", "new.json", "--rtol", "50")[0] == 0
+    # A malformed recorded gate is named.
+    (project / "pytest.ini").unlink()
+    (project / "new.json").write_text(json.dumps(session_report({"metrics": ["max_rell"]}, max_rel=10.0)))
+    code, _, err = cli(capsys, "diff", "old.json", "new.json")
+    assert code == 2 and f"test {TEST_A}: its recorded gate is malformed (metrics: unknown metric 'max_rell'" in err
+
+
+def test_a_tolerance_given_twice_is_refused(capsys: pytest.CaptureFixture[str], trees: Any) -> None:
+    for text, message in (
+        ("max_rel=0.1 max_rel=50", "max_rel is given twice in 'max_rel=0.1 max_rel=50'"),
+        ("0.1 50", "two numbers for every metric in '0.1 50'"),
+    ):
+        for flag in ("--rtol", "--atol"):
+            with pytest.raises(SystemExit):
+                main(["diff", *map(str, trees), flag, text])
+            assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_help_says_what_is_gated_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["diff", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the project's own gate" in text
+    assert "pytest.ini, .pytest.ini, pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg" in text
+    assert "--metric, --rtol and --atol override" in text

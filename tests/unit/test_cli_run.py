@@ -475,3 +475,288 @@ def test_a_reference_saved_inside_the_checkpoint_folder_does_not_change_its_dige
     (checkpoint / "config.json").write_text((checkpoint / "config.json").read_text().replace("1e-06", "1e-05"))
     changed = run(checkpoint, "--reference", reference, "--variants", "fp16")
     assert changed.code == 2 and "was computed from other weights" in changed.error
+
+
+# --- Ctrl-C: one line saying what was (not) written, exit 130 --------------------------------------------------
+
+#: `pytest-precision run` in a fresh interpreter; with argv[1:3] = MODULE NAME (not "-"), pytest_precision.MODULE's
+#: NAME is replaced by a function that touches argv[3] and sleeps: a run held at that step until interrupted.
+HELD_RUN = """
+import sys, time
+from pathlib import Path
+
+module, name, marker, *args = sys.argv[1:]
+if module != "-":
+    import importlib
+
+    def held(*_, **__):
+        Path(marker).write_text("")
+        time.sleep(300)
+
+    setattr(importlib.import_module(f"pytest_precision.{module}"), name, held)
+from pytest_precision.cli import main
+
+sys.exit(main(args))
+"""
+
+
+def interrupted_run(tmp_path: Path, args: list[str | Path], held: tuple[str, str] | None = None) -> Result:
+    """`pytest-precision run ARGS` in a subprocess sent SIGINT once it is held: at `held` (module, function) or,
+    with None, reading the FIFO given as --text (the real code, blocked in read). Never hangs: every wait has a
+    deadline, and the process is killed in the end whatever happened."""
+    import errno
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "held"
+    fifo = next((Path(args[i + 1]) for i, arg in enumerate(args) if arg == "--text"), None)
+    module, name = held or ("-", "-")
+    command = [sys.executable, "-c", HELD_RUN, module, name, str(marker), "run", *map(str, args)]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
+    writer = None
+    try:
+        deadline = time.monotonic() + 180
+        while process.poll() is None and time.monotonic() < deadline:
+            if held is not None and marker.exists():
+                break
+            if fifo is not None:
+                try:  # succeeds once the run has opened the FIFO and waits in read()
+                    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                    break
+                except OSError as error:
+                    if error.errno != errno.ENXIO:
+                        raise
+            time.sleep(0.05)
+        assert process.poll() is None, f"the run ended before it was held: {process.communicate()}"
+        time.sleep(0.2)  # into the blocking call
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+        return Result(process.returncode, out, err)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        if writer is not None:
+            os.close(writer)
+
+
+needs_sigint = pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs POSIX signals and FIFOs")
+
+
+@needs_sigint
+def test_ctrl_c_during_the_reference_says_nothing_was_written_and_exits_130(tmp_path: Path) -> None:
+    """The real code, held reading --text (a FIFO): interrupted after the output folder was checked and the
+    weights hashed, before any file was written."""
+    import os
+
+    fifo = tmp_path / "prompt.txt"
+    os.mkfifo(fifo)
+    output, reference = tmp_path / "out", tmp_path / "ref.safetensors"
+    args: list[str | Path] = [TINY_LLAMA_DIR, "--text", fifo, "--length", "8", "--output-dir", output]
+    result = interrupted_run(tmp_path, [*args, "--save-reference", reference])
+    assert result.code == 130, result.err
+    assert result.error == (
+        f"pytest-precision run: interrupted; nothing was written to --save-reference {reference} or "
+        f"--output-dir {output}"
+    )
+    assert "Traceback" not in result.err and result.out == ""
+    assert not reference.exists() and [p.name for p in output.iterdir()] == []
+
+
+@needs_sigint
+def test_ctrl_c_after_the_reference_was_saved_says_so(tmp_path: Path) -> None:
+    output, reference = tmp_path / "out", tmp_path / "ref.safetensors"
+    result = interrupted_run(
+        tmp_path,
+        [TINY_LLAMA_DIR, "--length", "8", "--forward-only", "--output-dir", output, "--save-reference", reference],
+        held=("comparison", "compare"),
+    )
+    assert result.code == 130, result.err
+    assert result.error == (
+        f"pytest-precision run: interrupted; the reference was saved to {reference} (whole); nothing was written "
+        f"to --output-dir {output}"
+    )
+    assert f"saved the reference to {reference}" in "\n".join(result.progress)
+    assert reference.stat().st_size > 0 and [p.name for p in output.iterdir()] == []
+
+
+@needs_sigint
+def test_ctrl_c_while_writing_the_output_dir_names_what_was_written_and_removed(tmp_path: Path) -> None:
+    """--overwrite over an earlier run's files, held before the log-prob files: the line names the files written
+    and the earlier ones removed, not "nothing"."""
+    output = tmp_path / "out"
+    (output / "logprobs").mkdir(parents=True)
+    (output / "logprobs" / "old.npy").write_bytes(b"earlier")
+    (output / "summary.md").write_text("earlier")
+    result = interrupted_run(
+        tmp_path,
+        [
+            TINY_LLAMA_DIR,
+            "--length",
+            "8",
+            "--forward-only",
+            "--variants",
+            "bf16",
+            "--output-dir",
+            output,
+            "--overwrite",
+        ],
+        held=("run_outputs", "write_logprobs"),
+    )
+    assert result.code == 130, result.err
+    written = sorted(p.relative_to(output).as_posix() for p in output.rglob("*") if p.is_file())
+    assert "summary.md" in written and "logprobs/old.npy" not in written
+    assert (output / "summary.md").read_text() != "earlier"
+    said = re.fullmatch(
+        rf"pytest-precision run: interrupted; it had written (.*) in --output-dir {re.escape(str(output))}; it had "
+        rf"removed an earlier run's logprobs/old\.npy from --output-dir {re.escape(str(output))}",
+        result.error,
+    )
+    assert said is not None, result.error
+    assert sorted(said.group(1).split(", ")) == written
+
+
+def test_an_interrupted_run_without_output_options_wrote_nothing(tmp_path: Path) -> None:
+    from pytest_precision.checkpoint_run import RunOptions, interrupted_message, written_files
+
+    options = RunOptions(directory=tmp_path)
+    assert interrupted_message(options, written_files(options)) == "interrupted; no file was written"
+
+
+def test_bad_tokens_are_refused_up_front_naming_only_the_options_given(tmp_path: Path) -> None:
+    """--batch left at its default is not named as if given; with --reference the refusal comes before the
+    weights are hashed and the reference read."""
+    default_batch = run(TINY_LLAMA_DIR, "--tokens", "1")
+    assert default_batch.code == 2 and default_batch.err.count("\n") == 1
+    assert default_batch.error == (
+        "pytest-precision run: --tokens 1 must be a multiple of 2 and at least 4: the tokens are split into 2 "
+        "sequences (the default; --batch N sets it) of 2 tokens or more"
+    )
+    given = run(TINY_LLAMA_DIR, "--tokens", "2", "--batch", "2")
+    assert given.code == 2 and given.error == (
+        "pytest-precision run: --tokens 2 must be a multiple of --batch 2 and at least 4 (sequences of 2 tokens "
+        "or more)"
+    )
+    junk = tmp_path / "ref.safetensors"
+    junk.write_bytes(b"not a reference")
+    with_reference = run(TINY_LLAMA_DIR, "--reference", junk, "--tokens", "2", "--batch", "2")
+    assert with_reference.code == 2 and with_reference.err == given.err  # no hashing line, no word on the file
+
+
+def test_an_unknown_variant_points_to_the_variants_file(tmp_path: Path) -> None:
+    result = run(TINY_LLAMA_DIR, "--variants", "bf16,bf17")
+    assert result.code == 2
+    assert result.error.startswith("pytest-precision run: --variants: unknown variant 'bf17'. Built-in variants: ")
+    assert result.error.endswith(
+        "; or describe your own in a --variants-file FILE (JSON or TOML; fields name, dtype, autocast, "
+        "fp32_modules, matmul_precision, backend, attn_implementation, arrangement)"
+    )
+    assert "pytest_precision.Variant" not in result.error
+    sharded = run(TINY_LLAMA_DIR, "--variants", "bf16,fsdp_bf16", "--length", "8")
+    assert sharded.code == 2 and sharded.progress == []  # refused before the reference runs
+    assert sharded.error.startswith("pytest-precision run: --variants fsdp_bf16: FSDP2 mixed precision (")
+
+
+# --- a saved reference: tampering refused, ordinary file mode ---------------------------------------------------
+
+
+def _edited_copy(saved: Path, copy: Path, offset_of: str | None, new: bytes) -> Path:
+    """A copy of the safetensors file `saved` with `new` written at the start of tensor `offset_of`'s bytes
+    (None: over the file's last bytes)."""
+    data = bytearray(saved.read_bytes())
+    header_length = int.from_bytes(data[:8], "little")
+    if offset_of is None:
+        offset = len(data) - len(new)
+    else:
+        offset = 8 + header_length + json.loads(data[8 : 8 + header_length])[offset_of]["data_offsets"][0]
+    assert data[offset : offset + len(new)] != new
+    data[offset : offset + len(new)] = new
+    copy.write_bytes(bytes(data))
+    return copy
+
+
+def test_a_tampered_reference_file_is_refused_naming_the_tensor(
+    first: tuple[Result, Path, Path], tmp_path: Path
+) -> None:
+    """The issue's case: one fp32 log-prob set to -50 measured fp16's log-probs at 32 % instead of 0.05 %."""
+    import struct
+
+    _, _, reference = first
+    copy = _edited_copy(reference, tmp_path / "edited.safetensors", "logprob/logprob", struct.pack("<f", -50.0))
+    result = run(TRAINED_LM_DIR, "--reference", copy, "--variants", "fp16")
+    assert result.code == 2 and result.out == ""
+    count = len(load_file(reference))
+    assert result.error == (
+        f"pytest-precision run: --reference {copy}: Reference.load('{copy}'): 1 of its {count} tensors differs from "
+        "the SHA-256 digests it records: 'logprob/logprob', so the file was changed after Reference.save wrote it; "
+        "write a new one with --save-reference"
+    )
+    flipped = _edited_copy(reference, tmp_path / "flipped.safetensors", None, bytes([reference.read_bytes()[-1] ^ 1]))
+    result = run(TRAINED_LM_DIR, "--reference", flipped, "--variants", "fp16")
+    assert result.code == 2 and f"1 of its {count} tensors differs from the SHA-256 digests" in result.error
+
+
+def test_save_reference_writes_the_umasks_ordinary_mode_or_names_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+    import stat
+
+    import safetensors.torch
+
+    target = tmp_path / "ref.safetensors"
+    previous = os.umask(0o022)
+    try:
+        result = run(
+            TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--forward-only", "--save-reference", target
+        )
+    finally:
+        os.umask(previous)
+    assert result.code == 0, result.err
+    assert stat.S_IMODE(target.stat().st_mode) == 0o644  # not the 0600 of a temporary file
+    assert [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]
+
+    def full_disk(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    failed = run(TINY_LLAMA_DIR, "--length", "8", "--forward-only", "--save-reference", tmp_path / "new.safetensors")
+    assert failed.code == 2
+    assert failed.error == (
+        f"pytest-precision run: --save-reference {tmp_path / 'new.safetensors'}: cannot write it "
+        f"({os.strerror(errno.ENOSPC)})"
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]  # nothing half-written left
+
+
+def test_a_saved_reference_is_checked_by_the_checkpoint_digest_without_loading_fp32_weights(
+    first: tuple[Result, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoint's SHA-256 stands for the weights' checksum: the fp32 model a factory check would build (the
+    load --reference is there to spare) is never built."""
+    import dataclasses
+
+    from pytest_precision import checkpoint as checkpoint_module
+
+    asked: list[torch.dtype] = []
+    opened = checkpoint_module.open_checkpoint
+
+    def recording(directory: Path) -> checkpoint_module.Checkpoint:
+        found = opened(directory)
+
+        def factory(dtype: torch.dtype, device: torch.device) -> object:
+            asked.append(dtype)
+            return found.factory(dtype, device)
+
+        return dataclasses.replace(found, factory=factory)
+
+    monkeypatch.setattr(checkpoint_module, "open_checkpoint", recording)
+    _, _, reference = first
+    result = run(TRAINED_LM_DIR, "--reference", reference, "--variants", "bf16", "--quiet")
+    assert result.code == 0, result.err
+    assert asked == [torch.bfloat16]

@@ -562,3 +562,91 @@ def test_format_shows_the_decomposition_and_no_undefined_percentages():
         "rms_floor",
     ]
     assert "n/a%" not in text
+
+
+# ---------------------------------------------------------------------------------------------- logprob_mismatch
+
+
+def kept_logprobs() -> PrecisionReport:
+    """A report holding the log-probs of bf16, fp16 and bf16_decode as compare() keeps them for a causal LM."""
+    ref = torch.from_numpy(logprobs((2, 10), seed=200))
+    report = compare_logprobs(ref + 0.01, ref)
+    report.token_logprobs = {
+        name: ref + torch.from_numpy(noise(tuple(ref.shape), 0.01, seed))
+        for seed, name in enumerate(["bf16", "fp16", "bf16_decode"], start=201)
+    }
+    report.reference_logprobs = ref
+    report.logprob_mask = torch.ones(ref.shape, dtype=torch.bool)
+    return report
+
+
+def test_logprob_mismatch_takes_lists_tuples_and_iterators_of_pairs() -> None:
+    report = kept_logprobs()
+    expected = ["bf16 vs bf16_decode", "fp16 vs bf16_decode"]
+    for pairs in (
+        [("bf16", "bf16_decode"), ("fp16", "bf16_decode")],
+        (["bf16", "bf16_decode"], ["fp16", "bf16_decode"]),
+        iter([("bf16", "bf16_decode"), ("fp16", "bf16_decode")]),
+    ):
+        assert report.logprob_mismatch(pairs).variants == expected
+    # a pair and its reverse are two pairs (delta of opposite sign)
+    assert report.logprob_mismatch([("bf16", "fp16"), ("fp16", "bf16")]).variants == ["bf16 vs fp16", "fp16 vs bf16"]
+
+
+USAGE = "pass a list of (trainer, sampler) pairs of variant names, e.g. [('bf16', 'bf16_decode')]"
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        ([(["bf16"], "fp16")], f"pairs[0] = (['bf16'], 'fp16'): ['bf16'] is not a variant name (a str); {USAGE}"),
+        ([("bf16", 16)], f"pairs[0] = ('bf16', 16): 16 is not a variant name (a str); {USAGE}"),
+        (
+            [("bf16", "fp16"), ("fp16", None)],
+            f"pairs[1] = ('fp16', None): None is not a variant name (a str); {USAGE}",
+        ),
+        (
+            [("bf16", "bf16")],
+            "pairs[0] = ('bf16', 'bf16') pairs 'bf16' with itself: its mismatch is zero by construction; pair a "
+            "trainer variant with a different sampler variant",
+        ),
+        ([], f"no pair given; {USAGE}"),
+        ("bf16", f"got 'bf16'; {USAGE}"),
+        (None, f"got None; {USAGE}"),
+        ({"bf16": "fp16"}, f"got {{'bf16': 'fp16'}}; {USAGE}"),
+        ({("bf16", "fp16")}, f"got {{('bf16', 'fp16')}}; {USAGE}"),
+        (("bf16", "fp16"), "got one pair ('bf16', 'fp16'), not a list of pairs; pass [('bf16', 'fp16')]"),
+        (
+            [("bf16", "fp16"), ["bf16", "fp16"]],
+            "pairs[1] = ['bf16', 'fp16'] repeats pairs[0] = ('bf16', 'fp16') (each pair is one variant 'bf16 vs "
+            "fp16' of the result); give each pair once",
+        ),
+        (
+            [("bf16", "fp16", "x")],
+            f"pairs[0] = ('bf16', 'fp16', 'x') is not a (trainer, sampler) pair of two variant names; {USAGE}",
+        ),
+        (["bf16"], f"pairs[0] = 'bf16' is not a (trainer, sampler) pair of two variant names; {USAGE}"),
+        (
+            [("bf16", "bf16_sampler")],
+            "pairs[0] = ('bf16', 'bf16_sampler'): no log-probabilities of variant 'bf16_sampler' in this report; "
+            "variants with them: bf16, fp16, bf16_decode (compare() keeps them in memory for causal LMs, not in files)",
+        ),
+    ],
+)
+def test_every_bad_pair_is_a_configuration_error_naming_it(pairs: object, message: str) -> None:
+    with pytest.raises(ConfigurationError) as raised:
+        kept_logprobs().logprob_mismatch(pairs)  # type: ignore[arg-type]
+    assert str(raised.value).startswith(f"logprob_mismatch: {message}"), str(raised.value)
+
+
+def test_names_that_collide_as_one_result_variant_are_refused() -> None:
+    """("a vs", "b") and ("a", "vs b") would both be the variant "a vs b": the second would replace the first."""
+    report = kept_logprobs()
+    report.token_logprobs = {
+        "a vs": report.token_logprobs["bf16"],
+        "b": report.token_logprobs["fp16"],
+        "a": report.token_logprobs["bf16"],
+        "vs b": report.token_logprobs["fp16"],
+    }
+    with pytest.raises(ConfigurationError, match=r"^logprob_mismatch: pairs\[1\] = \('a', 'vs b'\) repeats pairs\[0\]"):
+        report.logprob_mismatch([("a vs", "b"), ("a", "vs b")])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from test_host_syncs import TinyCausalLM, counted_compare, token_inputs
 
 import pytest_precision
 from pytest_precision.errors import ConfigurationError
-from pytest_precision.progress import ProgressEvent, ProgressPrinter, duration, remaining_estimate
+from pytest_precision.progress import ProgressEvent, ProgressPrinter, duration, remaining_estimate, time_left
 
 RUN_PHASES = ["build", "forward", "backward", "measure", "done"]
 
@@ -158,3 +159,95 @@ def test_the_live_bar_keeps_its_clock_running_during_a_long_phase_and_stops_on_c
     assert after.endswith("\r\x1b[K")
     time.sleep(0.1)
     assert stream.getvalue() == after  # nothing drawn once closed
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def live_estimates(clock: Clock, steps: list[tuple[float, ProgressEvent]]) -> list[str]:
+    """The live bar's estimate after each event, the clock set to each step's time (no ticker redraws)."""
+    stream = io.StringIO()
+    planned: list[tuple[str, str]] = [("reference", "fp32"), ("variant", "bf16"), ("variant", "fp16")]
+    printer = ProgressPrinter(stream, live=True, planned=planned, tick_seconds=3600, clock=clock)  # type: ignore[arg-type]
+    shown = []
+    for seconds, event in steps:
+        clock.now = 1000.0 + seconds
+        before = len(stream.getvalue())
+        printer(event)
+        drawn = stream.getvalue()[before:].split("\r\x1b[K")[-1]
+        shown.append(
+            drawn.split(f": {event.phase}", 1)[1] if event.phase != "done" else drawn.split("] ", 1)[1].strip()
+        )
+    printer.close()
+    return shown
+
+
+def test_the_estimate_counts_down_within_the_mean_and_never_below_what_is_plainly_left() -> None:
+    """The reference took 80s. bf16 at 20s: 60s of its own and 80s for fp16 are left. Past 80s the mean says
+    nothing about bf16's rest: the bar says so and counts fp16 only, never a negative or shrinking figure. The
+    last run past the mean: no number at all."""
+    clock = Clock()
+
+    def reference(phase: str, seconds: float | None = None) -> ProgressEvent:
+        return ProgressEvent("fp32", "reference", phase, 1, 3, seconds)  # type: ignore[arg-type]
+
+    def bf16(phase: str, seconds: float | None = None) -> ProgressEvent:
+        return ProgressEvent("bf16", "variant", phase, 2, 3, seconds)  # type: ignore[arg-type]
+
+    def fp16(phase: str) -> ProgressEvent:
+        return ProgressEvent("fp16", "variant", phase, 3, 3)  # type: ignore[arg-type]
+
+    shown = live_estimates(
+        clock,
+        [
+            (0.0, reference("forward")),
+            (80.0, reference("done", 80.0)),
+            (80.0, bf16("build")),
+            (100.0, bf16("forward")),
+            (150.0, bf16("backward")),
+            (170.0, bf16("measure")),
+            (400.0, bf16("measure")),
+            (400.0, bf16("done", 320.0)),
+            (400.0, fp16("build")),
+            (500.0, fp16("forward")),
+            (900.0, fp16("backward")),
+        ],
+    )
+    assert shown == [
+        "",  # no run finished yet: no estimate
+        "reference fp32 (1/3): done in 1m20s, about 2m40s left",
+        ", about 2m40s left",
+        ", about 2m20s left",  # 60s of bf16 (at the 80s mean) and 80s of fp16
+        ", about 1m30s left",
+        # bf16 has run 90s, past the 80s mean: how much more it needs is unknown; fp16's 80s are counted, as such
+        ", longer than the mean run (1m20s); about 1m20s left after it",
+        ", longer than the mean run (1m20s); about 1m20s left after it",
+        "variant bf16 (2/3): done in 5m20s, about 3m20s left",  # the mean is now (80 + 320) / 2 = 200s
+        ", about 3m20s left",
+        ", about 1m40s left",
+        ", longer than the mean run (3m20s)",  # the last run past the mean: no figure
+    ]
+    assert not any("-" in line for line in shown)
+
+
+@pytest.mark.parametrize("current", [0.0, 10.0, 59.9, 60.0, 61.0, 1e6])
+@pytest.mark.parametrize("left", [1, 2, 5])
+def test_time_left_is_never_negative_nor_below_the_runs_after_the_current_one(current: float, left: int) -> None:
+    text = time_left([60.0], left, current)
+    numbers = re.findall(r"about ([0-9.hms]+) left", text)
+    assert "-" not in text
+    if current < 60.0:
+        assert text == f", about {duration(left * 60.0 - current)} left"
+    else:  # the current run outlasted the mean: only the later runs are counted, by name
+        assert text.startswith(", longer than the mean run (1m00s)")
+        assert numbers == ([] if left == 1 else [duration((left - 1) * 60.0)])
+        assert text.endswith("left after it") == (left > 1)
+    assert time_left([60.0], left) == f", about {duration(left * 60.0)} left"
+    assert time_left([], left, current) == "" and time_left([60.0], 0, current) == ""

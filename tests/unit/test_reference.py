@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 import pytest_precision
 from conftest import random_tokens, tiny_llama
 from pytest_precision import ConfigurationError, Reference, ReferenceCache, compare, reference
+from pytest_precision.fingerprint import state_checksum
 from pytest_precision.report import PrecisionReport
 
 VARIANTS = ["bf16", "fp16"]
@@ -256,3 +258,127 @@ def test_the_parameter_checksum_sees_any_edit_or_moved_value(monkeypatch, chunk)
     assert edited(swap(3, 40)) != original  # two values trading places within a chunk
     assert edited(swap(5, 5 + 64)) != original  # the same offset of two chunks
     assert edited(lambda flat: flat.copy_(flat.flip(0))) != original  # reversed
+
+
+# ---------------------------------------------------------------- the weights a loaded Reference is compared with
+
+
+class Factory:
+    """tiny_llama(layers=2, seed=seed) in the dtype asked for; `calls` lists the dtypes asked for, `forwards`
+    those of the models that ran a forward."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.calls: list[torch.dtype] = []
+        self.forwards: list[torch.dtype] = []
+
+    def __call__(self, dtype: torch.dtype, device: torch.device) -> nn.Module:
+        self.calls.append(dtype)
+        model: nn.Module = tiny_llama(layers=2, seed=self.seed).to(device=device, dtype=dtype)
+        model.register_forward_pre_hook(lambda *_: self.forwards.append(dtype))
+        return model
+
+
+DIGEST = r"[0-9a-f]{16}"
+
+
+@pytest.fixture(scope="module")
+def factory_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Reference, Any]:
+    """A forward-only Reference of Factory(seed=0) and the file it was saved to."""
+    ref = reference(Factory(seed=0), batch(), backward=False)
+    path = tmp_path_factory.mktemp("factory") / "ref.safetensors"
+    ref.save(path)
+    return ref, path
+
+
+@pytest.mark.parametrize("first", ["fp32", "bf16"])  # the checked model is the run's; one built for the check
+def test_a_factory_building_other_weights_is_refused_before_anything_runs(
+    factory_saved: tuple[Reference, Any], first: str
+) -> None:
+    _, path = factory_saved
+    other = Factory(seed=1)
+    loaded = Reference.load(path, model=other)
+    assert loaded.model is other and other.calls == []  # a factory is checked when first called
+    with pytest.raises(ConfigurationError) as error:
+        compare(loaded, variants=[first, "fp16"])
+    message = str(error.value)
+    digests = re.fullmatch(
+        rf"Reference\.load\('{re.escape(str(path))}', model=factory\): the factory builds other weights than "
+        rf"those the reference was computed with: weights checksum ({DIGEST}) of the float32 model it builds, "
+        rf"({DIGEST}) in the file \(the values of \d+ of \d+ parameters and buffers differ, e\.g\. "
+        r"'model\.embed_tokens\.weight'\); pass the factory \(or model\) the reference was computed with, or "
+        r"compute a new reference with reference\(factory, inputs, \.\.\.\)",
+        message,
+    )
+    assert digests is not None, message
+    assert digests[1] != digests[2]
+    assert other.calls == [torch.float32] and other.forwards == []  # refused on the checked model, before any run
+
+
+def test_a_factory_building_the_same_weights_measures_as_the_reference_computed_here(
+    factory_saved: tuple[Reference, Any],
+) -> None:
+    ref, path = factory_saved
+    same_weights = Factory(seed=0)
+    loaded = Reference.load(path, model=same_weights)
+    same(compare(loaded, variants=["bf16"]), compare(ref, variants=["bf16"]))
+    # One model built in the reference's dtype for the check, then the run's; checked once per Reference.
+    assert same_weights.calls == [torch.float32, torch.bfloat16]
+    compare(loaded, variants=["fp16"])
+    assert same_weights.calls == [torch.float32, torch.bfloat16, torch.float16]
+    # A first run in the reference's dtype is itself the checked model: no extra build.
+    again = Factory(seed=0)
+    same(compare(Reference.load(path, model=again), variants=["fp32"]), compare(ref, variants=["fp32"]))
+    assert again.calls == [torch.float32]
+
+
+def test_a_factory_reference_computed_here_builds_no_extra_model() -> None:
+    built = Factory(seed=0)
+    ref = reference(built, batch(), backward=False)
+    assert ref.model is built and built.calls == [torch.float32]
+    compare(ref, variants=["bf16"])
+    assert built.calls == [torch.float32, torch.bfloat16]
+    # What save records is the reference run's model's checksum, taken without a host sync until then.
+    assert ref.weights_checksum() == state_checksum(tiny_llama(layers=2, seed=0))
+
+
+def test_a_loaded_reference_checks_a_model_a_factory_and_with_model_alike(
+    factory_saved: tuple[Reference, Any], llama: nn.Module
+) -> None:
+    _, path = factory_saved
+    with pytest.raises(ConfigurationError) as error:
+        Reference.load(path, model=tiny_llama(layers=2, seed=1))
+    assert re.fullmatch(
+        rf"Reference\.load\('{re.escape(str(path))}'\): the model's weights differ from those the reference was "
+        rf"computed with: weights checksum {DIGEST} here, {DIGEST} in the file \(the values of \d+ of \d+ "
+        r"parameters and buffers differ, e\.g\. 'model\.embed_tokens\.weight'\); pass the same model, or "
+        r"compute a new reference with reference\(model, inputs, \.\.\.\)",
+        str(error.value),
+    ), str(error.value)
+    with pytest.raises(
+        ConfigurationError,
+        match=r"\(parameters or buffers: 9 of the file's model's missing here, e\.g\. 'model\.layers\.1\.self_attn\."
+        r"q_proj\.weight'\)",
+    ):
+        Reference.load(path, model=tiny_llama(layers=1, seed=0))  # another architecture
+    with pytest.raises(ConfigurationError, match="the model's weights differ"):
+        Reference.load(path).with_model(tiny_llama(layers=2, seed=1))
+    with pytest.raises(ConfigurationError, match="the factory builds other weights"):
+        compare(Reference.load(path).with_model(Factory(seed=1)), variants=["bf16"])
+    Reference.load(path, model=tiny_llama(layers=2, seed=0))  # a model of the same weights (the factory's)
+    # A caller that checked the weights otherwise (pytest-precision run: the checkpoint's SHA-256) skips it.
+    unchecked = Factory(seed=1)
+    compare(Reference.load(path, model=unchecked, check_weights=False), variants=["bf16"])
+    assert unchecked.calls == [torch.bfloat16]
+
+
+def test_weight_sums_read_later_equal_the_state_checksum() -> None:
+    from pytest_precision.reference_integrity import WeightSums
+
+    model = nn.BatchNorm1d(5)  # parameters and buffers, an integer one among them
+    with torch.no_grad():
+        model.weight.uniform_(-1, 1)
+        model.running_mean.uniform_(-1, 1)
+    model.num_batches_tracked += 7
+    assert WeightSums(model).checksum() == state_checksum(model)
+    assert WeightSums(tiny_llama(layers=1)).checksum() == state_checksum(tiny_llama(layers=1))

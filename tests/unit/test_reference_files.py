@@ -1,13 +1,17 @@
 """Files read from disk: a saved Reference (safetensors) and the .npy log-probabilities of compare_logprobs.
 
 A file may be truncated, tampered with or written by someone else: each case is one ConfigurationError
-naming the file and saying what to do, never a raw safetensors, JSON or NumPy error.
+naming the file and saying what to do, never a raw safetensors, JSON or NumPy error. A Reference file records a
+SHA-256 of each tensor and of its metadata: a changed value, byte, dtype, shape or setting is named at load.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -146,14 +150,18 @@ def test_files_that_are_not_safetensors_are_refused_by_name(tmp_path: Path) -> N
     assert message.startswith(f"Reference.load('{tmp_path / 'absent.safetensors'}'): cannot read it: ")
 
 
-def rewritten(saved: Path, tmp_path: Path, edit: Any, drop: str | None = None) -> Path:
-    """A copy of `saved` whose metadata went through `edit` (a function of the metadata dict, or of its text)
-    and without the tensor `drop`."""
+def rewritten(
+    saved: Path, tmp_path: Path, edit: Any, drop: str | None = None, change: tuple[str, Any] | None = None
+) -> Path:
+    """A copy of `saved` whose metadata went through `edit` (a function of the metadata dict, or of its text),
+    without the tensor `drop`, and with the tensor change[0] through the function change[1]."""
     with safe_open(str(saved), framework="pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
         raw = (handle.metadata() or {})[METADATA_KEY]
     if drop is not None:
         del tensors[drop]
+    if change is not None:
+        tensors[change[0]] = change[1](tensors[change[0]])
     if isinstance(edit, str):
         text = edit.replace("RAW", raw[: len(raw) // 2])
     else:
@@ -191,6 +199,12 @@ METADATA_EDITS: dict[str, Any] = {
     "run-a-list": lambda m: m.update(run=[1]),
     "modules-a-number": lambda m: m.update(modules=3),
     "module-names-a-string": lambda m: m.update(module_names="model"),
+    "no-tensor-digests": lambda m: m.pop("tensor_sha256"),
+    "no-metadata-digest": lambda m: m.pop("metadata_sha256"),
+    "tensor-digests-a-list": lambda m: m.update(tensor_sha256=[]),
+    "a-tensor-without-digest": lambda m: m["tensor_sha256"].pop(_first_stored(m)),
+    "a-digest-without-tensor": lambda m: m["tensor_sha256"].update({"fw/nowhere": "0" * 64}),
+    "metadata-digest-a-number": lambda m: m.update(metadata_sha256=0),
 }
 
 
@@ -212,10 +226,22 @@ def test_a_tensor_the_metadata_lists_missing_from_the_file_is_refused_by_name(sa
 
 
 def test_another_format_is_refused_with_the_fix(saved: Path, tmp_path: Path) -> None:
-    path = rewritten(saved, tmp_path, lambda m: m.update(format=2))
+    path = rewritten(saved, tmp_path, lambda m: m.update(format=3))
     assert load_error(path) == (
-        f"Reference.load('{path}'): unknown format 2 (this pytest-precision reads format 1); "
+        f"Reference.load('{path}'): unknown format 3 (this pytest-precision reads format 2); "
         "re-create it with Reference.save"
+    )
+
+
+def test_a_format_1_file_which_records_no_digests_is_refused_with_the_fix(saved: Path, tmp_path: Path) -> None:
+    def as_written_by_0_1(meta: dict[str, Any]) -> None:
+        meta.update(format=1)
+        del meta["tensor_sha256"], meta["metadata_sha256"]
+
+    path = rewritten(saved, tmp_path, as_written_by_0_1)
+    assert load_error(path) == (
+        f"Reference.load('{path}'): format 1, written by pytest-precision 0.1, records no digest of its tensors, "
+        "so a change to them cannot be seen; re-create it with Reference.save"
     )
 
 
@@ -225,6 +251,89 @@ def test_an_untampered_rewrite_still_loads(saved: Path, tmp_path: Path, llama: n
     assert compare(Reference.load(path, model=llama), variants=["bf16"]).to_dict() == (
         compare(Reference.load(saved, model=llama), variants=["bf16"]).to_dict()
     )
+
+
+def data_offset(path: Path, key: str) -> int:
+    """Where in the safetensors file `path` the bytes of tensor `key` begin."""
+    raw = path.read_bytes()
+    header_length = int.from_bytes(raw[:8], "little")
+    return 8 + header_length + int(json.loads(raw[8 : 8 + header_length])[key]["data_offsets"][0])
+
+
+def edited_bytes(saved: Path, tmp_path: Path, offset: int, new: bytes) -> Path:
+    """A copy of `saved` with `new` written at byte `offset` (the header and everything else unchanged)."""
+    data = bytearray(saved.read_bytes())
+    assert data[offset : offset + len(new)] != new
+    data[offset : offset + len(new)] = new
+    path = tmp_path / "edited.safetensors"
+    path.write_bytes(bytes(data))
+    return path
+
+
+def tensor_count(path: Path) -> int:
+    with safe_open(str(path), framework="pt") as handle:
+        return len(list(handle.keys()))
+
+
+def test_a_changed_value_is_refused_naming_the_tensor(saved: Path, tmp_path: Path, llama: nn.Module) -> None:
+    """The issue's case: one log-prob set to -50 would measure fp16 at 32 % instead of 0.05 %."""
+    path = edited_bytes(saved, tmp_path, data_offset(saved, "logprob/logprob"), struct.pack("<f", -50.0))
+    with pytest.raises(ConfigurationError) as error:
+        Reference.load(path, model=llama)
+    assert str(error.value) == (
+        f"Reference.load('{path}'): 1 of its {tensor_count(saved)} tensors differs from the SHA-256 digests it "
+        "records: 'logprob/logprob', so the file was changed after Reference.save wrote it; re-create it with "
+        "Reference.save"
+    )
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last", "end-of-largest"])
+def test_one_flipped_byte_anywhere_in_the_data_is_refused(saved: Path, tmp_path: Path, where: str) -> None:
+    raw = saved.read_bytes()
+    start = 8 + int.from_bytes(raw[:8], "little")
+    spans = [entry["data_offsets"] for key, entry in json.loads(raw[8:start]).items() if key != "__metadata__"]
+    largest = max(spans, key=lambda span: span[1] - span[0])
+    assert largest[1] - largest[0] >= 1 << 14  # the logits: every byte of a big tensor counts, not its first ones
+    offset = {
+        "first": start,
+        "middle": (start + len(raw)) // 2,
+        "last": len(raw) - 1,
+        "end-of-largest": start + largest[1] - 1,
+    }[where]
+    path = edited_bytes(saved, tmp_path, offset, bytes([raw[offset] ^ 0x01]))
+    message = load_error(path)
+    assert message.startswith(f"Reference.load('{path}'): 1 of its {tensor_count(saved)} tensors differs from the ")
+    assert message.endswith("so the file was changed after Reference.save wrote it; re-create it with Reference.save")
+
+
+def test_a_tensor_given_another_dtype_or_shape_in_the_header_is_refused(saved: Path, tmp_path: Path) -> None:
+    """The same bytes read as other values: the digest covers the dtype and shape too."""
+    for edit in (lambda t: t.view(torch.int32), lambda t: t.reshape(t.shape[::-1])):
+        path = rewritten(saved, tmp_path, lambda m: None, change=("logprob/logprob", edit))
+        assert ": 'logprob/logprob', so the file was changed after Reference.save" in load_error(path)
+
+
+def test_a_consistent_change_of_a_setting_is_refused(saved: Path, tmp_path: Path) -> None:
+    path = rewritten(saved, tmp_path, lambda m: m.update(temperature=2.0))
+    assert load_error(path) == (
+        f"Reference.load('{path}'): its metadata differs from the SHA-256 it records, so the file was changed "
+        "after Reference.save wrote it; re-create it with Reference.save"
+    )
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["022", "027"])
+def test_a_saved_reference_gets_the_umasks_ordinary_mode(saved: Path, tmp_path: Path, umask: int) -> None:
+    """Not the 0600 of a temporary file: a reference is shared like any other output."""
+    ref = Reference.load(saved)
+    previous = os.umask(umask)
+    try:
+        ref.save(tmp_path / "ref.safetensors")
+        ref.save(tmp_path / "ref.safetensors")  # replacing one too
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "ref.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert [p.name for p in tmp_path.iterdir()] == ["ref.safetensors"]  # no temporary file left
+    assert Reference.load(tmp_path / "ref.safetensors").stored.keys() == ref.stored.keys()
 
 
 # ---------------------------------------------------------------- compare_logprobs' .npy files

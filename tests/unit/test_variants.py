@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -236,3 +237,18 @@ def test_the_fsdp_variants_keep_fp32_master_weights_and_name_their_policy() -> N
 def test_an_fsdp_variant_cannot_be_the_reference() -> None:
     with pytest.raises(ConfigurationError, match="reference"):
         resolve_reference("fsdp_bf16")
+
+
+@pytest.mark.parametrize("name", ["CON", "nul", "Aux.bf16", "COM1", "lpt9.x", "CON ", "con .x", "prn.", "COM²"])
+def test_a_windows_device_name_is_refused(name: str) -> None:
+    """A variant's name names files (logprobs/<name>.npy): one that Windows opens as a device is refused, in any
+    case, with an extension, with trailing spaces or dots."""
+    with pytest.raises(ConfigurationError, match=r"is a device name Windows reserves .* choose another name, e\.g\. "):
+        Variant(name, dtype="bf16")
+    with pytest.raises(ConfigurationError, match=f"^variant {re.escape(repr(name))}: "):
+        resolve_variants([{"name": name}])
+
+
+@pytest.mark.parametrize("name", ["console", "con_", "com10", "x.nul", "bf16 vs fp16"])
+def test_names_holding_a_device_name_are_accepted(name: str) -> None:
+    assert Variant(name).name == name

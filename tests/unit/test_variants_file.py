@@ -14,7 +14,7 @@ from pytest_precision.arrangements import BUILTIN_ARRANGEMENTS
 from pytest_precision.checkpoint_run import DEFAULT_VARIANTS, RunOptions, chosen_variants
 from pytest_precision.errors import ConfigurationError, PrecisionError
 from pytest_precision.variants import BUILTIN_VARIANTS, HEAD_MODULE, Variant
-from pytest_precision.variants_file import FILE_FIELDS, _toml_module, load_variants_file
+from pytest_precision.variants_file import FILE_FIELDS, NAME_PATTERN, _toml_module, load_variants_file
 
 needs_toml = pytest.mark.skipif(_toml_module() is None, reason="reading TOML needs Python 3.11+ or tomli")
 
@@ -529,3 +529,84 @@ def test_a_backend_value_torch_refuses_fails_before_any_run(tmp_path: Path) -> N
     with pytest.raises(PrecisionError, match=r"variant 'odd': torch refuses its backend settings"):
         check_backends(variants, torch.device("cpu"))
     assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+# --- names Windows reserves for devices: one check for every name that becomes a file name -------------------
+
+DEVICE_NAMES = ["CON", "con", "Nul", "aux.x", "prn.v2", "COM1", "com9.bf16", "LPT1", "lpt9"]
+ORDINARY_NAMES = ["console", "con_", "com10", "lpt0x", "x.con", "nul-bf16", "aux_"]
+
+
+@pytest.mark.parametrize("name", DEVICE_NAMES)
+def test_a_windows_device_name_is_refused_as_a_variant_name(tmp_path: Path, name: str) -> None:
+    """logprobs/<name>.npy of "CON" or "nul.x" opens a device on Windows: the file refuses the name, naming the
+    entry and the device, and says what to use instead."""
+    path = write(tmp_path, "v.json", [OK, {"name": name, "dtype": "bf16"}])
+    with pytest.raises(ConfigurationError) as raised:
+        load_variants_file(path)
+    device = name.split(".")[0]
+    base, dot, rest = name.partition(".")
+    assert str(raised.value).startswith(
+        f"--variants-file {path}, variant 2 ({name!r}): {device!r} is a device name Windows reserves"
+    )
+    assert f"choose another name, e.g. {base + '_' + dot + rest!r}" in str(raised.value)
+    with pytest.raises(PrecisionError, match="is a device name Windows reserves"):
+        chosen_variants(RunOptions(directory=Path("x"), variants="bf16", variants_file=path))
+
+
+@pytest.mark.parametrize("name", ORDINARY_NAMES)
+def test_names_that_only_contain_a_device_name_are_accepted(tmp_path: Path, name: str) -> None:
+    path = write(tmp_path, "v.json", [{"name": name}])
+    assert [v.name for v in load_variants_file(path)] == [name]
+
+
+@pytest.mark.parametrize("name", [*DEVICE_NAMES, *ORDINARY_NAMES, "con .x", "COM¹", "lpt³.x", "nul..x"])
+def test_variants_the_file_and_baseline_names_agree_on_device_names(tmp_path: Path, name: str) -> None:
+    """The one check (file_names.windows_device_name) decides for Variant(...), the variants file and baseline=:
+    a name refused as a device by one is refused as a device by all, an ordinary name by none."""
+    from pytest_precision.baseline import stem_problem
+    from pytest_precision.file_names import windows_device_name
+
+    device = windows_device_name(name)
+    refused_by = []
+    try:
+        Variant(name)
+    except ConfigurationError as error:
+        assert "device name Windows reserves" in str(error)
+        refused_by.append("Variant")
+    if "device name Windows reserves" in (stem_problem(name) or ""):
+        refused_by.append("baseline=")
+    if NAME_PATTERN.fullmatch(name):  # else the file refuses it for its characters first
+        try:
+            load_variants_file(write(tmp_path, "v.json", [{"name": name}]))
+        except ConfigurationError as error:
+            assert "device name Windows reserves" in str(error)
+            refused_by.append("file")
+        expected = ["Variant", "baseline=", "file"]
+    else:
+        expected = ["Variant", "baseline="]
+    assert refused_by == (expected if device is not None else [])
+    assert (device is not None) == (name not in ORDINARY_NAMES)
+
+
+def test_an_unknown_name_in_variants_points_to_the_variants_file_not_to_python() -> None:
+    """On the command line a variant of one's own comes from --variants-file; the Python API's advice stays."""
+    from pytest_precision.variants import resolve_variant
+
+    with pytest.raises(ConfigurationError) as raised:
+        chosen_variants(RunOptions(directory=Path("x"), variants="bf16,bf17"))
+    message = str(raised.value)
+    assert message.startswith(f"--variants: unknown variant 'bf17'. Built-in variants: {', '.join(BUILTIN_VARIANTS)}")
+    assert message.endswith(
+        f"; or describe your own in a --variants-file FILE (JSON or TOML; fields {', '.join(FILE_FIELDS)})"
+    )
+    with pytest.raises(
+        ConfigurationError, match=r"; or pass pytest_precision\.Variant\(name=\.\.\., dtype=\.\.\., \.\.\.\)$"
+    ):
+        resolve_variant("bf17")
+
+
+@pytest.mark.parametrize("name", ["fsdp_bf16", "fsdp_bf16_reduce_bf16"])
+def test_fsdp_variants_are_refused_by_the_command_before_any_run(name: str) -> None:
+    with pytest.raises(PrecisionError, match=f"^--variants {name}: FSDP2 mixed precision .* needs the model sharded"):
+        chosen_variants(RunOptions(directory=Path("x"), variants=f"bf16,{name}"))
