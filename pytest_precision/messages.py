@@ -15,8 +15,25 @@ from .tolerance import Violation
 MAX_ROWS = 20
 #: Each failing variant shows at least this many rows, however many variants fail.
 MIN_ROWS_PER_VARIANT = 3
-#: Where every row and the error-vs-depth plot are, when the table had to leave rows out.
-FULL_LIST_HINT = "every row and an error-vs-depth plot: rerun with --precision-report DIR (DIR/summary.md, DIR/*.png)"
+#: Where every row and the error-vs-depth plot are, when the table had to leave rows out (the plugin names the
+#: files of its session instead: see full_list_hint).
+FULL_LIST_HINT = "every record and an error-vs-depth plot: rerun with --precision-report DIR"
+
+
+def full_list_hint(report_dir: Path | None, baseline: Path | None, rows: int, plot: Path | None) -> str:
+    """Where the rows a failure table leaves out are. Against a baseline: `pytest-precision diff` of the baseline
+    and the session report lists every (tensor, metric) row, `rows` of them; limits have no baseline: the
+    session report holds every record. `plot`: the test's error-vs-depth plot (None without matplotlib)."""
+    report = "DIR/precision-report.json" if report_dir is None else f"{report_dir / 'precision-report.json'}"
+    if baseline is None:
+        where = f"every record in {report}"
+    else:
+        where = f"all rows: pytest-precision diff {baseline} {report} --limit {rows}"
+    if report_dir is None:
+        return f"{where}, after a rerun with --precision-report DIR, which also plots error against depth"
+    shown_plot = "" if plot is None else f"; the plot: {plot}"
+    return f"{where}, once the session has ended{shown_plot}"
+
 
 # Execution order: forward rows in forward order, then backward rows in backward order, then gradients,
 # so that the first row is where precision was first lost.

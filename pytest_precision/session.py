@@ -440,7 +440,8 @@ class PrecisionSession:
         if result.worst_ratio is not None:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
         parts = []
-        full_list = self._full_list_hint(item.nodeid)
+        rows = result.gated * len(gated_metrics)
+        full_list = self._full_list_hint(item.nodeid, shown, rows)
         if result.violations:
             parts.append(
                 messages.regression_message(
@@ -454,7 +455,8 @@ class PrecisionSession:
                 )
             )
         if limit_violations:
-            parts.append(messages.limit_message(limit_violations, order, full_list=full_list))
+            limit_list = self._full_list_hint(item.nodeid, None, rows)
+            parts.append(messages.limit_message(limit_violations, order, full_list=limit_list))
         if result.improvements and self.strict:
             parts.append(messages.improvement_message(result.improvements, shown, nodeid, order, full_list=full_list))
         if self.update and self.update_mode == "failing" and parts:
@@ -465,17 +467,17 @@ class PrecisionSession:
             return "kept", None
         return ("failed", "\n".join(parts)) if parts else ("passed", None)
 
-    def _full_list_hint(self, nodeid: str) -> str:
-        """Where a failure message's left-out rows are: the --precision-report files of this session (written
-        when it ends), or how to get them."""
+    def _full_list_hint(self, nodeid: str, baseline: Path | None, rows: int) -> str:
+        """Where a failure message's left-out rows are (messages.full_list_hint): this session's report files
+        when it writes some, or how to get them."""
         from . import messages
-        from .plots import plot_path
+        from .plots import matplotlib_available, plot_path
 
-        if self.report_dir is None:
-            return messages.FULL_LIST_HINT
-        report = self._shown(self.report_dir)
-        plot = self._shown(plot_path(self.report_dir, nodeid))
-        return f"every row in {report / 'summary.md'}, the error-vs-depth plot in {plot}, when the session ends"
+        report_dir = None if self.report_dir is None else self._shown(self.report_dir)
+        plot = None
+        if self.report_dir is not None and matplotlib_available():
+            plot = self._shown(plot_path(self.report_dir, nodeid))
+        return messages.full_list_hint(report_dir, baseline, rows, plot)
 
     def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> None:
         """Remember, once per file, which environment fields differ from the baseline's (never a failure)."""
@@ -665,6 +667,7 @@ class PrecisionSession:
         records; summary.md and the plots beside it."""
         if self.report_dir is None:
             return None
+        from .atomic_files import write_atomically
         from .baseline import json_ready
         from .environment import session_environment
 
@@ -677,8 +680,6 @@ class PrecisionSession:
             "drift": self.drift,
             "tests": self.tests,
         }
-        from .atomic_files import write_atomically
-
         write_atomically(path, json.dumps(json_ready(document), indent=1, sort_keys=True, allow_nan=False) + "\n")
         self._write_summary_and_plots(document)
         return path

@@ -1055,6 +1055,13 @@ MUTANTS: list[Mutant] = [
     ),
     # issue 24: the failure message's rows per variant, where the full list is, baselines recording where they hold
     _m(
+        "session.py",
+        "        rows = result.gated * len(gated_metrics)",
+        "        rows = result.gated",
+        "the hint's --limit lists fewer rows than the diff holds",
+        "tests/plugin/test_plugin_failure_message.py",
+    ),
+    _m(
         "messages.py",
         "    budget = max(MAX_ROWS, MIN_ROWS_PER_VARIANT * len(groups))",
         "    budget = MAX_ROWS",
@@ -1084,9 +1091,9 @@ MUTANTS: list[Mutant] = [
     ),
     _m(
         "session.py",
-        "        if self.report_dir is None:\n            return messages.FULL_LIST_HINT",
-        "        if self.report_dir is not None:\n            return messages.FULL_LIST_HINT",
-        "the failure message points to --precision-report DIR although the session writes one",
+        "        report_dir = None if self.report_dir is None else self._shown(self.report_dir)",
+        "        report_dir = None",
+        "the failure message asks for a rerun with --precision-report DIR although the session writes one",
         "tests/plugin/test_plugin_failure_message.py",
     ),
     _m(

@@ -10,6 +10,7 @@ from pytest_precision.messages import (
     FULL_LIST_HINT,
     MAX_ROWS,
     MIN_ROWS_PER_VARIANT,
+    full_list_hint,
     improvement_message,
     limit_message,
     regression_message,
@@ -86,3 +87,18 @@ def test_every_message_with_a_table_points_to_the_full_list() -> None:
     for message in messages:
         assert "  ... 20 more fp16 row(s)" in message.splitlines()
         assert f"  (40 row(s) not shown; {where})" in message.splitlines()
+
+
+def test_the_full_list_hint_names_the_command_that_lists_every_row() -> None:
+    baseline, out = Path("baselines/t/t.cpu.json"), Path("out")
+    assert full_list_hint(out, baseline, 132, Path("out/t/t.png")) == (
+        "all rows: pytest-precision diff baselines/t/t.cpu.json out/precision-report.json --limit 132, once the "
+        "session has ended; the plot: out/t/t.png"
+    )
+    assert full_list_hint(out, baseline, 132, None).endswith("--limit 132, once the session has ended")
+    assert full_list_hint(None, baseline, 7, None) == (
+        "all rows: pytest-precision diff baselines/t/t.cpu.json DIR/precision-report.json --limit 7, after a "
+        "rerun with --precision-report DIR, which also plots error against depth"
+    )
+    # Limits hold without a baseline: the session report's records are the full list.
+    assert full_list_hint(out, None, 7, None) == "every record in out/precision-report.json, once the session has ended"
