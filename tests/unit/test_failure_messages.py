@@ -102,3 +102,14 @@ def test_the_full_list_hint_names_the_command_that_lists_every_row() -> None:
     )
     # Limits hold without a baseline: the session report's records are the full list.
     assert full_list_hint(out, None, 7, None) == "every record in out/precision-report.json, once the session has ended"
+
+
+def test_names_are_left_aligned_and_numbers_right_aligned_under_their_headers() -> None:
+    lines = violation_table([*regressed("bf16", 3), *regressed("fp16_fp32_head", 3)])
+    header = lines[0]
+    for column in ("baseline", "obtained", "ratio", "allowed"):
+        end = header.index(column) + len(column)
+        assert all(line[end - 1] != " " and (len(line) == end or line[end] == " ") for line in lines[1:])
+    for column in ("variant", "tensor", "kind", "metric"):
+        start = header.index(column)
+        assert all(line[start] != " " and line[start - 1] == " " for line in lines[1:])
