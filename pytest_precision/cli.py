@@ -77,13 +77,13 @@ was dropped.
 as two folders; PATH may also be one baseline file. What a pull request changes, before pushing it:
   pytest-precision diff --against main
 
-What is gated: by default the project's own gate, its precision_metrics, precision_rtol and
-precision_atol (or those flags in its addopts), from the pytest config file pytest would read for
-these paths (pytest.ini, .pytest.ini, pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg
-[tool:pytest], and pytest 9's pytest.toml and [tool.pytest], from the paths' common folder upward).
---metric, --rtol and --atol override it, each on its own. A test of a session report that recorded its
-gate uses that gate's metrics and tolerances where neither sets them; else rms_rel, rtol 0.1, atol 1e-5.
-The last line of the output says what was gated, where each part came from, and which config file.
+What is gated: by default the project's own gate. --metric, --rtol and --atol, each on its own; else,
+for a test of a session report that recorded its gate, that gate (what the test checked, its call's
+metrics= included); else precision_metrics, precision_rtol and precision_atol (or those flags in
+addopts) of the pytest config file pytest would read for these paths (pytest.ini, .pytest.ini,
+pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg [tool:pytest], and pytest 9's
+pytest.toml and [tool.pytest], from the paths' common folder upward); else rms_rel, rtol 0.1, atol
+1e-5. The last line of the output says what was gated, where each part came from, and which config file.
 """
 
 

@@ -628,4 +628,5 @@ def test_help_says_what_is_gated_by_default(capsys: pytest.CaptureFixture[str]) 
     text = " ".join(capsys.readouterr().out.split())
     assert "the project's own gate" in text
     assert "pytest.ini, .pytest.ini, pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg" in text
-    assert "--metric, --rtol and --atol override" in text
+    assert "--metric, --rtol and --atol, each on its own; else, for a test of a session report" in text
+    assert text.index("that gate (what the test checked") < text.index("precision_metrics, precision_rtol")
