@@ -172,6 +172,20 @@ def test_a_claim_being_written_is_respected_and_an_unreadable_old_one_taken_over
     claim.release()
 
 
+@pytest.mark.parametrize("half", [{"host": "HOST"}, {"pid": 1}, {"pid": "12", "host": "HOST"}])
+def test_a_claim_naming_no_pid_or_no_host_is_judged_by_its_age_alone(tmp_path: Path, half: dict[str, object]) -> None:
+    """A claim file that says who holds it only in part (another writer's, an edited one) cannot be checked by
+    pid: it is respected while young and taken over once old, never judged by a pid it does not give."""
+    path = tmp_path / CLAIM_FILE
+    path.write_text(json.dumps({key: socket.gethostname() if v == "HOST" else v for key, v in half.items()}))
+    assert isinstance(claim_exclusively(path), Holder)
+    old = time.time() - CLAIM_STARTING_SECONDS - 5
+    os.utime(path, (old, old))
+    claim = claim_exclusively(path)
+    assert isinstance(claim, Claim)
+    claim.release()
+
+
 def test_a_takeover_file_left_by_a_killed_process_does_not_block(tmp_path: Path) -> None:
     path = write_claim(tmp_path / CLAIM_FILE, ended_pid())
     guard = tmp_path / claim_names(path)[1]
