@@ -1290,14 +1290,14 @@ MUTANTS: list[Mutant] = [
         "            if metric in per_metric:",
         "            if metric in per_metric and per_metric[metric] != parsed:",
         "a metric's tolerance given twice is accepted when the values agree",
-        "tests/unit/test_tolerance.py",
+        "tests/unit/test_metric_tolerances.py",
     ),
     _m(
         "tolerance.py",
         "            if number is not None:",
         "            if number is not None and number != parsed:",
         "two numbers for every metric accepted when equal",
-        "tests/unit/test_tolerance.py",
+        "tests/unit/test_metric_tolerances.py",
     ),
     _m(
         "session.py",

@@ -100,6 +100,12 @@ def test_session_levels_merge_a_higher_number_over_lower_per_metric_values():
         ("max_rell=0.5", "precision_rtol: unknown metric 'max_rell'"),
         ("nonfinite=1", "precision_rtol: nonfinite takes no tolerance"),
         ("ref_rms=1", "precision_rtol: unknown metric 'ref_rms'"),
+        # Given twice at one level: the last would win, "0.1 50" gating at rtol 50.
+        ("max_rel=0.1 max_rel=50", "precision_rtol: max_rel is given twice in 'max_rel=0.1 max_rel=50'"),
+        ("max_rel=0.1, max_rel=0.1", "precision_rtol: max_rel is given twice in"),  # even the same value
+        ("0.1 50", "precision_rtol: two numbers for every metric in '0.1 50'"),
+        ("0.1, 0.1", "precision_rtol: two numbers for every metric in"),
+        ("0.1, max_rel=0.5 inf", "precision_rtol: two numbers for every metric in"),
     ],
 )
 def test_bad_option_text_is_named(text, message):

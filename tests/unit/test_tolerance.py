@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_precision.errors import ConfigurationError
 from pytest_precision.messages import regression_message
 from pytest_precision.metrics import TensorError
 from pytest_precision.report import Record
@@ -87,19 +86,6 @@ def test_violation_ratio_in_the_worse_direction():
     assert Violation("v", "t", "fw", "regressed", "sqnr_db", 40.0, 20.0).ratio == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize(
-    ("text", "message"),
-    [
-        ("max_rel=0.1 max_rel=50", "precision_rtol: max_rel is given twice in 'max_rel=0.1 max_rel=50'"),
-        ("max_rel=0.1, max_rel=0.1", "precision_rtol: max_rel is given twice in"),  # even the same value
-        ("0.1 50", "precision_rtol: two numbers for every metric in '0.1 50'"),
-        ("0.1, 0.1", "precision_rtol: two numbers for every metric in"),
-        ("0.1, max_rel=0.5 inf", "precision_rtol: two numbers for every metric in"),
-    ],
-)
-def test_a_value_given_twice_at_one_level_is_refused(text, message):
-    """The last would win: "0.1 50" gated at rtol 50, and which one was meant is anyone's guess."""
-    with pytest.raises(ConfigurationError) as raised:
-        parsed_level(text, "precision_rtol")
-    assert str(raised.value).startswith(message)
+def test_one_number_and_each_metric_once_parse():
+    """The counterpart of test_metric_tolerances.test_bad_option_text_is_named's "given twice" cases."""
     assert parsed_level("0.1 max_rel=0.5 rms_rel=0.2", "x") == (0.1, {"max_rel": 0.5, "rms_rel": 0.2})
