@@ -146,3 +146,20 @@ def llama_batch() -> dict[str, Any]:
     """input_ids and labels for the tiny models: 2 sequences of 32 random tokens."""
     ids = random_tokens()
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+# --- The code blocks of README.md and of the docs pages (docs/**/*.md) run as tests, one per page -------------
+# (docs/doc_blocks.py says how each block runs). Here and not in a docs/conftest.py: a second module named
+# `conftest` would shadow this one for the tests that import its models.
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if file_path != ROOT / "README.md" and not (file_path.suffix == ".md" and (ROOT / "docs") in file_path.parents):
+        return None
+    import importlib.util
+    import sys
+
+    if "doc_blocks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("doc_blocks", ROOT / "docs" / "doc_blocks.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules["doc_blocks"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["doc_blocks"])
+    return sys.modules["doc_blocks"].collect_page(file_path, parent)  # type: ignore[no-any-return]

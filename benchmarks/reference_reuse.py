@@ -33,7 +33,7 @@ def make_checkpoint(folder: Path, *, layers: int) -> Path:
 def timed(arguments: list[str]) -> float:
     """Wall seconds of `pytest-precision ARGUMENTS` in a fresh interpreter."""
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pytest_precision.cli", *arguments], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "pytest_precision.cli.main", *arguments], check=True, capture_output=True)
     return time.perf_counter() - start
 
 

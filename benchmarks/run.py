@@ -33,12 +33,13 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common import SEED, build_model, peak_rss_kib  # noqa: E402  (benchmarks/common.py)
+
 #: The issue's model: a Llama of 8 layers, hidden 256, vocabulary 4096, on 2 x 256 tokens.
 FULL = {"layers": 8, "hidden": 256, "intermediate": 688, "heads": 8, "kv_heads": 4, "vocab": 4096, "batch": 2}
 FULL_TOKENS = 256
 QUICK = {**FULL, "layers": 2, "hidden": 128, "intermediate": 344, "vocab": 1024}
 QUICK_TOKENS = 64
-SEED = 0
 
 
 @dataclass
@@ -57,28 +58,6 @@ def sizes(quick: bool) -> tuple[dict[str, int], int]:
     return (QUICK, QUICK_TOKENS) if quick else (FULL, FULL_TOKENS)
 
 
-def build_model(spec: dict[str, int], positions: int = 1024, **config: Any) -> Any:
-    """A Llama of `spec`'s sizes with random weights (seed SEED), in eval mode; `config` overrides LlamaConfig
-    fields (untied head by default)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    settings: dict[str, Any] = {"max_position_embeddings": max(positions, 1024), "tie_word_embeddings": False}
-    llama_config = LlamaConfig(
-        vocab_size=spec["vocab"],
-        hidden_size=spec["hidden"],
-        intermediate_size=spec["intermediate"],
-        num_hidden_layers=spec["layers"],
-        num_attention_heads=spec["heads"],
-        num_key_value_heads=spec["kv_heads"],
-        **{**settings, **config},
-    )
-    torch.manual_seed(SEED)
-    model: Any = LlamaForCausalLM(llama_config)
-    model.eval()
-    return model
-
-
 def build_inputs(spec: dict[str, int], tokens: int) -> dict[str, Any]:
     import torch
 
@@ -89,7 +68,7 @@ def build_inputs(spec: dict[str, int], tokens: int) -> dict[str, Any]:
 
 def bare_copy(model: Any, dtype: str) -> Any:
     """A run's model built as compare() builds it: deep copy, floating parameters cast."""
-    from pytest_precision.model_build import cast_parameters
+    from pytest_precision.engine.model_build import cast_parameters
 
     copied = copy.deepcopy(model)
     cast_parameters(copied, dtype)
@@ -185,25 +164,28 @@ def machine() -> dict[str, str]:
 #: attribute "Class.method" is wrapped on the class. The library is being rewritten: both the old and the new
 #: names are listed, and those this checkout lacks are skipped (their rows read "not in this library").
 LIBRARY_PARTS = {
-    "model build (deepcopy + cast: build_run_model)": ("pytest_precision.comparison", "build_run_model"),
-    "fp16 loss-scale calibration pass (an extra fp16 run)": ("pytest_precision.comparison", "_calibrate_loss_scale"),
-    "reference sink (_ReferenceKeeper.__call__)": ("pytest_precision.comparison", "_ReferenceKeeper.__call__"),
-    "variant sink (_VariantPass.measure)": ("pytest_precision.comparison", "_VariantPass.measure"),
-    "per-tensor metrics (tensor_error, inside the hooks)": ("pytest_precision.comparison", "tensor_error"),
-    "per-tensor metrics (metrics.tensor_error)": ("pytest_precision.metrics", "tensor_error"),
-    "reference sums (metrics.reference_sums)": ("pytest_precision.comparison", "reference_sums"),
-    "error sums (metrics.error_sums)": ("pytest_precision.comparison", "error_sums"),
-    "exact sums (metrics.exact_sums)": ("pytest_precision.comparison", "exact_sums"),
-    "metrics from the host sums (_VariantPass.resolve)": ("pytest_precision.comparison", "_VariantPass.resolve"),
-    "vocabulary KL / top-1 (distribution_stats)": ("pytest_precision.comparison", "distribution_stats"),
-    "vocabulary KL / top-1 sums (logprobs.distribution_sums)": ("pytest_precision.comparison", "distribution_sums"),
-    "chosen-token log-probs (chosen_logprobs)": ("pytest_precision.comparison", "chosen_logprobs"),
-    "log-ratio stats (log_ratio_stats)": ("pytest_precision.comparison", "log_ratio_stats"),
-    "log-ratio sums (logprobs.log_ratio_sums)": ("pytest_precision.comparison", "log_ratio_sums"),
-    "host transfer of the run's sums (resolve_pending)": ("pytest_precision.comparison", "resolve_pending"),
-    "parameter checksum (state_checksum, comparison)": ("pytest_precision.comparison", "state_checksum"),
-    "parameter checksum (state_checksum, cache key)": ("pytest_precision.references", "state_checksum"),
-    "parameter categories (parameter_categories)": ("pytest_precision.comparison", "parameter_categories"),
+    "model build (deepcopy + cast: build_run_model)": ("pytest_precision.engine.compare", "build_run_model"),
+    "fp16 loss-scale calibration pass (an extra fp16 run)": (
+        "pytest_precision.engine.compare",
+        "_calibrate_loss_scale",
+    ),
+    "reference sink (_ReferenceKeeper.__call__)": ("pytest_precision.engine.compare", "_ReferenceKeeper.__call__"),
+    "variant sink (VariantPass.measure)": ("pytest_precision.engine.compare", "VariantPass.measure"),
+    "per-tensor metrics (tensor_error, inside the hooks)": ("pytest_precision.engine.compare", "tensor_error"),
+    "per-tensor metrics (metrics.tensor_error)": ("pytest_precision.numbers.metrics", "tensor_error"),
+    "reference sums (metrics.reference_sums)": ("pytest_precision.engine.compare", "reference_sums"),
+    "error sums (metrics.error_sums)": ("pytest_precision.engine.compare", "error_sums"),
+    "exact sums (metrics.exact_sums)": ("pytest_precision.engine.compare", "exact_sums"),
+    "metrics from the host sums (VariantPass.resolve)": ("pytest_precision.engine.compare", "VariantPass.resolve"),
+    "vocabulary KL / top-1 (distribution_stats)": ("pytest_precision.engine.compare", "distribution_stats"),
+    "vocabulary KL / top-1 sums (logprobs.distribution_sums)": ("pytest_precision.engine.compare", "distribution_sums"),
+    "chosen-token log-probs (chosen_logprobs)": ("pytest_precision.engine.compare", "chosen_logprobs"),
+    "log-ratio stats (log_ratio_stats)": ("pytest_precision.engine.compare", "log_ratio_stats"),
+    "log-ratio sums (logprobs.log_ratio_sums)": ("pytest_precision.engine.compare", "log_ratio_sums"),
+    "host transfer of the run's sums (resolve_pending)": ("pytest_precision.engine.compare", "resolve_pending"),
+    "parameter checksum (state_checksum, comparison)": ("pytest_precision.engine.compare", "state_checksum"),
+    "parameter checksum (state_checksum, cache key)": ("pytest_precision.engine.references", "state_checksum"),
+    "parameter categories (parameter_categories)": ("pytest_precision.engine.compare", "parameter_categories"),
 }
 
 #: The parts "where the time goes" adds up (benchmarks 7 and 8): category -> the LIBRARY_PARTS labels in it.
@@ -213,7 +195,7 @@ CATEGORIES = {
     "copy (model build: build_run_model)": ["model build (deepcopy + cast: build_run_model)"],
     "hooks (the sinks, excluding the metric / log-prob / KL work inside them)": [
         "reference sink (_ReferenceKeeper.__call__)",
-        "variant sink (_VariantPass.measure)",
+        "variant sink (VariantPass.measure)",
     ],
     "metrics (per-tensor error)": [
         "per-tensor metrics (tensor_error, inside the hooks)",
@@ -221,7 +203,7 @@ CATEGORIES = {
         "reference sums (metrics.reference_sums)",
         "error sums (metrics.error_sums)",
         "exact sums (metrics.exact_sums)",
-        "metrics from the host sums (_VariantPass.resolve)",
+        "metrics from the host sums (VariantPass.resolve)",
     ],
     "log-probs (chosen-token log-probs, log-ratio stats)": [
         "chosen-token log-probs (chosen_logprobs)",
@@ -523,7 +505,7 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
     if available:
         cached_suites, how = _cached_suites(found[0], model, inputs, variants, scales)
 
-    from pytest_precision.variants import BUILTIN_VARIANTS
+    from pytest_precision.engine.variants import BUILTIN_VARIANTS
 
     def ideal() -> None:
         bare_run(model, inputs, "float32")
@@ -556,7 +538,7 @@ def bench_reference_cache(quick: bool, repeats: int, sections: list[str]) -> lis
     results = []
     if "cached" not in cached_suites:
         reason = (
-            "neither `pytest_precision.references` nor `pytest_precision.reference` exists in this checkout"
+            "neither `pytest_precision.engine.references` nor `pytest_precision.reference` exists in this checkout"
             if not available
             else f"`pytest_precision.reference` exists but the cached suite failed: {how}"
         )
@@ -601,8 +583,8 @@ def _bare_variant(model: Any, inputs: dict[str, Any], variant: Any, *, pin_backe
     backend flags too (pinned_backend sets and restores torch flags, nothing else)."""
     import torch
 
-    from pytest_precision.backend_flags import pinned_backend
-    from pytest_precision.model_build import build_run_model
+    from pytest_precision.engine.backend_flags import pinned_backend
+    from pytest_precision.engine.model_build import build_run_model
 
     flags = pinned_backend(variant, "cpu") if pin_backend else contextlib.nullcontext()
     with flags:
@@ -612,7 +594,7 @@ def _bare_variant(model: Any, inputs: dict[str, Any], variant: Any, *, pin_backe
     del run_model, output
 
 
-REFERENCE_MODULES = ("pytest_precision.references", "pytest_precision.reference")
+REFERENCE_MODULES = ("pytest_precision.engine.references", "pytest_precision.reference")
 
 
 def _cached_suites(
@@ -662,7 +644,7 @@ def bench_numeric_suite(quick: bool, repeats: int, sections: list[str]) -> list[
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
     from pytest_precision import compare
-    from pytest_precision.capture import select_modules
+    from pytest_precision.engine.capture import select_modules
 
     spec, tokens = sizes(quick)
     model = build_model(spec)
@@ -776,22 +758,12 @@ def _observe_non_leaf(module: Any, types: set[type]) -> None:
 # ------------------------------------------------------------------------------------- 4: memory
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident set: VmHWM, not ru_maxrss, which a child inherits from its parent across
-    fork + exec (the parent here holds GiBs after benchmarks 1-3, hiding every child's own peak)."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
 def memory_child(mode: str, quick: bool) -> None:
     """Run in a fresh subprocess: peak RSS growth (ru_maxrss) of one measurement."""
     import torch
 
     from pytest_precision import compare
-    from pytest_precision.capture import capture, select_modules
+    from pytest_precision.engine.capture import capture, select_modules
 
     spec, tokens = sizes(quick)
     model = build_model(spec)
@@ -1331,7 +1303,7 @@ def bench_fp32_speed_suite(quick: bool, repeats: int, sections: list[str]) -> li
         compare(model, {key: value[:, :16] for key, value in inputs.items()}, [variant])
     found = [n for n in REFERENCE_MODULES if importlib.util.find_spec(n) is not None]
     if not found:
-        raise RuntimeError("neither pytest_precision.references nor pytest_precision.reference exists")
+        raise RuntimeError("neither pytest_precision.engine.references nor pytest_precision.reference exists")
     suites, how = _cached_suites(found[0], model, inputs, variants, {})
     if how:
         raise RuntimeError(how)

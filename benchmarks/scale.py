@@ -35,7 +35,7 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import run as run_benchmarks  # noqa: E402  (benchmarks/run.py: the model and the peak-memory reader)
+import common  # noqa: E402  (benchmarks/common.py: the model and the peak-memory reader)
 
 SEED = 0
 #: The 8-layer Llama of run.py (hidden 256, vocabulary 4096), batch and tokens per row below.
@@ -82,7 +82,7 @@ def tables(quick: bool) -> dict[str, list[Row]]:
 
 def build_model(spec: dict[str, int], positions: int = 4096) -> Any:
     """run.py's Llama, with room for `positions` tokens."""
-    return run_benchmarks.build_model(spec, positions)
+    return common.build_model(spec, positions)
 
 
 def build_inputs(vocab: int, batch: int, tokens: int) -> dict[str, Any]:
@@ -96,7 +96,7 @@ def hand_run(model: Any, inputs: dict[str, Any], *, backward: bool) -> None:
     """One run written by hand: a fresh fp32 copy (deepcopy + cast, as compare builds it), forward (+ backward)."""
     import torch
 
-    from pytest_precision.model_build import cast_parameters
+    from pytest_precision.engine.model_build import cast_parameters
 
     run_model = copy.deepcopy(model)
     cast_parameters(run_model, "float32")
@@ -173,7 +173,7 @@ def memory_child(request: str) -> None:
     """In a fresh subprocess: the growth of the peak resident set over one measured call."""
     import torch
 
-    import pytest_precision.comparison  # noqa: F401  (imported before the baseline, in both modes)
+    import pytest_precision.engine.compare  # noqa: F401  (imported before the baseline, in both modes)
 
     job = json.loads(request)
     spec, batch, tokens, backward = job["spec"], job["batch"], job["tokens"], job["backward"]
@@ -184,12 +184,12 @@ def memory_child(request: str) -> None:
     # Warm the allocator and lazy imports with a tiny run, so both modes start from the same state.
     hand_run(model, {k: v[:, :8] for k, v in inputs.items()}, backward=True)
     gc.collect()
-    before = run_benchmarks.peak_rss_kib()
+    before = common.peak_rss_kib()
     if job["mode"] == "compare":
         plugin(model, inputs, backward=backward)
     else:
         hand(model, inputs, backward=backward)
-    after = run_benchmarks.peak_rss_kib()
+    after = common.peak_rss_kib()
     print(json.dumps({"before_kib": before, "after_kib": after, "torch": torch.__version__}))
 
 
@@ -548,7 +548,7 @@ def paper_7b(depth_rows: list[Row], sections: list[str]) -> list[dict[str, Any]]
             [
                 "#### 4. A Llama-2-7B-shaped compare on one 80 GB GPU, on paper",
                 "",
-                "What the reference keeps, read from the code (comparison._ReferenceKeeper, capture.capture) and "
+                "What the reference keeps, read from the code (reference_run._ReferenceKeeper, capture.capture) and "
                 "measured with `pytest_precision.reference(model, inputs)` (fp32 reference, default modules: "
                 "embedding, every decoder layer, final norm, lm_head): per tensor, the tensor itself as produced "
                 "(no copy when no in-place write touched it, else a clone; with offload a host copy): "

@@ -10,47 +10,48 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .arrangements import Arrangement, Call
-    from .assertion import assert_precision_within
-    from .comparison import LowPrecisionReferenceWarning, compare
-    from .cross_engine import compare_logprobs
-    from .distributed import RankFailure
-    from .errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
-    from .metrics import TensorError, tensor_error
-    from .progress import ProgressEvent
-    from .references import Reference, ReferenceCache, reference
-    from .report import PrecisionReport, Record
-    from .session import PrecisionUnassertedWarning
-    from .sharding import ShardedModel, sharded
-    from .variants import BUILTIN_VARIANTS, Variant
+    from pytest_precision.base.errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
+    from pytest_precision.base.records import Record, TensorError
+    from pytest_precision.distributed.ranks import RankFailure
+    from pytest_precision.distributed.sharding import ShardedModel, sharded
+    from pytest_precision.engine.arrangements import Arrangement, Call
+    from pytest_precision.engine.compare import compare
+    from pytest_precision.engine.progress import ProgressEvent
+    from pytest_precision.engine.reference_run import LowPrecisionReferenceWarning, reference
+    from pytest_precision.engine.references import Reference, ReferenceCache
+    from pytest_precision.engine.variants import BUILTIN_VARIANTS, Variant
+    from pytest_precision.numbers.metrics import tensor_error
+    from pytest_precision.plugin.assertion import assert_precision_within
+    from pytest_precision.plugin.session import PrecisionUnassertedWarning
+    from pytest_precision.reports.report import PrecisionReport, compare_logprobs
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Arrangement": "arrangements",
-    "Call": "arrangements",
-    "assert_precision_within": "assertion",
-    "compare": "comparison",
-    "LowPrecisionReferenceWarning": "comparison",
-    "PrecisionUnassertedWarning": "session",
-    "RankFailure": "distributed",
-    "ShardedModel": "sharding",
-    "sharded": "sharding",
-    "compare_logprobs": "cross_engine",
-    "BaselineError": "errors",
-    "ConfigurationError": "errors",
-    "ModelRunError": "errors",
-    "PrecisionError": "errors",
-    "TensorError": "metrics",
-    "tensor_error": "metrics",
-    "ProgressEvent": "progress",
-    "Reference": "references",
-    "ReferenceCache": "references",
-    "reference": "references",
-    "PrecisionReport": "report",
-    "Record": "report",
-    "BUILTIN_VARIANTS": "variants",
-    "Variant": "variants",
+    "Arrangement": "engine.arrangements",
+    "Call": "engine.arrangements",
+    "assert_precision_within": "plugin.assertion",
+    "compare": "engine.compare",
+    "LowPrecisionReferenceWarning": "engine.reference_run",
+    "PrecisionUnassertedWarning": "plugin.session",
+    "RankFailure": "distributed.ranks",
+    "ShardedModel": "distributed.sharding",
+    "sharded": "distributed.sharding",
+    "compare_logprobs": "reports.report",
+    "BaselineError": "base.errors",
+    "ConfigurationError": "base.errors",
+    "ModelRunError": "base.errors",
+    "PrecisionError": "base.errors",
+    "TensorError": "base.records",
+    "tensor_error": "numbers.metrics",
+    "ProgressEvent": "engine.progress",
+    "Reference": "engine.references",
+    "ReferenceCache": "engine.references",
+    "reference": "engine.reference_run",
+    "PrecisionReport": "reports.report",
+    "Record": "base.records",
+    "BUILTIN_VARIANTS": "engine.variants",
+    "Variant": "engine.variants",
 }
 
 __all__ = [

@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from conftest import load_trained_lm, trained_lm_text_batch  # noqa: E402
-from pytest_precision.logprobs import chosen_logprobs  # noqa: E402
-from pytest_precision.model_build import build_run_model  # noqa: E402
-from pytest_precision.variants import BUILTIN_VARIANTS  # noqa: E402
+from pytest_precision.engine.model_build import build_run_model  # noqa: E402
+from pytest_precision.engine.variants import BUILTIN_VARIANTS  # noqa: E402
+from pytest_precision.numbers.logprobs import chosen_logprobs  # noqa: E402
 
 
 def logprobs(variant: str, ids: torch.Tensor) -> np.ndarray:

@@ -28,10 +28,11 @@ from sharded_models import (
     two_mlps,
 )
 
-import pytest_precision.distributed as distributed_module
+import pytest_precision.distributed.ranks as distributed_module
 from conftest import tiny_llama
-from pytest_precision import PrecisionReport, RankFailure, Variant, compare, comparison, sharded
-from pytest_precision.report import Record
+from pytest_precision import PrecisionReport, RankFailure, Variant, compare, sharded
+from pytest_precision.base.records import Record
+from pytest_precision.engine import variant_pass
 
 pytestmark = pytest.mark.precision_distributed(world_size=2)
 
@@ -43,7 +44,7 @@ def one_process(run: Callable[[], PrecisionReport]) -> PrecisionReport:
     """`run` with the process group hidden, and the exact (float64) metric pass that sharded runs take."""
     with (
         mock.patch.object(distributed_module, "active", lambda: False),
-        mock.patch.object(comparison, "fast_pass_applies", lambda reference, variant: False),
+        mock.patch.object(variant_pass, "fast_pass_applies", lambda reference, variant: False),
     ):
         return run()
 

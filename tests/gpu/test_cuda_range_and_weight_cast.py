@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import random_tokens, tiny_llama
-from pytest_precision.metrics import range_stats
+from pytest_precision.numbers.range_stats import range_stats
 
 pytestmark = pytest.mark.precision_gpu
 

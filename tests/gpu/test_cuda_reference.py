@@ -11,7 +11,7 @@ import pytest
 
 from conftest import random_tokens, tiny_llama
 from pytest_precision import compare, reference
-from pytest_precision.references import ReferenceCache
+from pytest_precision.engine.references import ReferenceCache
 
 pytestmark = pytest.mark.precision_gpu
 

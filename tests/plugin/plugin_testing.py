@@ -135,7 +135,10 @@ def warm_up() -> None:
         getattr(pytest_precision, name)
     for module in pkgutil.iter_modules(pytest_precision.__path__):
         importlib.import_module(f"pytest_precision.{module.name}")
-    from pytest_precision import baseline, compare, environment, plots
+    from pytest_precision import compare
+    from pytest_precision.gate import baseline
+    from pytest_precision.outputs import plots
+    from pytest_precision.reports import environment
 
     tiny = types.ModuleType("tinymodel_warm_up")
     exec(compile(TINY_MODEL, "tinymodel_warm_up", "exec"), tiny.__dict__)

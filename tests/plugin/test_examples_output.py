@@ -1,7 +1,7 @@
 """The repository's own examples, run as the README's first command runs them (plus -s, which shows the
 trainer-vs-sampler example's printed tables): they pass with nothing to fix (no improved baseline, no
-environment drift, no stale file, no warning), and the README's tables marked as their output are what they
-print, digit for digit."""
+environment drift, no stale file, no warning), and the README's and docs' tables marked as their output are
+what they print, digit for digit."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_precision.environment import DRIFT_FIELDS
+from pytest_precision.reports.environment import DRIFT_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND = ["pytest", "examples", "--precision-tables", "-s", "-p", "no:cacheprovider"]
@@ -58,12 +58,13 @@ def test_the_examples_pass_with_nothing_to_fix(examples_output: subprocess.Compl
     assert re.search(r"^precision baselines \(compare, baselines\): \d+ passed$", examples_output.stdout, re.M)
 
 
-def test_the_readme_tables_are_what_the_examples_print(examples_output: subprocess.CompletedProcess[str]) -> None:
-    blocks = marked_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
-    assert len(blocks) >= 3, "the README's example tables lost their marks"
+def test_the_docs_tables_are_what_the_examples_print(examples_output: subprocess.CompletedProcess[str]) -> None:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    blocks = [block for page in pages for block in marked_blocks(page.read_text(encoding="utf-8"))]
+    assert len(blocks) >= 4, "the docs' example tables lost their marks"
     printed = {line.rstrip() for line in examples_output.stdout.splitlines()}
     missing = [line for block in blocks for line in block if line.rstrip() not in printed]
-    assert missing == [], "README lines the examples do not print (rerun them and copy their output):\n" + "\n".join(
+    assert missing == [], "doc lines the examples do not print (rerun them and copy their output):\n" + "\n".join(
         missing
     )
 

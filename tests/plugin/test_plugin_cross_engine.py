@@ -9,7 +9,7 @@ import numpy  # noqa: F401  (kept imported across pytester runs, which restore s
 import safetensors.torch  # noqa: F401
 from plugin_testing import assert_no_traceback, baseline_file, failure, output, project, run, table_rows
 
-import pytest_precision.cross_engine  # noqa: F401
+import pytest_precision.numbers.cross_engine  # noqa: F401
 
 CROSS_ENGINE_TEST = """
 import os
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pytest_precision.cross_engine import compare_logprobs
+from pytest_precision.reports.report import compare_logprobs
 
 
 def test_engines(tmp_path, assert_precision_within):

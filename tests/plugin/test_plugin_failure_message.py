@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from plugin_testing import baseline_file, failure, project, run
 
-from pytest_precision.cli import main as cli_main
-from pytest_precision.plots import matplotlib_available
+from pytest_precision.cli.main import main as cli_main
+from pytest_precision.outputs.plots import matplotlib_available
 
 #: Two variants, both degraded (block 1 rounded to float8) once TINY_DEGRADE is set, gated on four metrics so
 #: that each has far more failing rows than the table shows.

@@ -216,8 +216,23 @@ def test_a_session_without_precision_tests_does_not_import_torch(pytester):
     # metric modules (tens of milliseconds of a pytest start otherwise).
     result.stdout.fnmatch_lines(
         [
-            "loaded: pytest_precision.assertion pytest_precision.environment pytest_precision.errors "
-            "pytest_precision.launcher pytest_precision.plugin pytest_precision.session"
+            "loaded: "
+            + " ".join(
+                f"pytest_precision.{name}"
+                for name in (
+                    "base",
+                    "base.errors",
+                    "plugin",
+                    "plugin.assertion",
+                    "plugin.launcher",
+                    "plugin.options",
+                    "plugin.precision_fixture",
+                    "plugin.session",
+                    "plugin.session_end",
+                    "reports",
+                    "reports.environment",
+                )
+            )
         ]
     )
 

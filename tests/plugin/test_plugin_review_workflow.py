@@ -203,7 +203,7 @@ def _git(pytester: pytest.Pytester, *arguments: str) -> str:
 
 def test_session_report_and_summary_carry_environment_stale_files_drift_and_plot_links(pytester, monkeypatch):
     pytest.importorskip("matplotlib")
-    from pytest_precision.environment import git_state
+    from pytest_precision.reports.environment import git_state
 
     project(pytester, monkeypatch, test_stale=STALE_TESTS)
     pytester.makeini("[pytest]\ntestpaths = .\n")

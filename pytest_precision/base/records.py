@@ -1,0 +1,311 @@
+"""Record types every layer shares: the metric names and their directions, one tensor's error (TensorError),
+one captured tensor's record (Record), what one run was (RunInfo), and the records of a comparison (ReportData,
+the data half of PrecisionReport). Frozen dataclasses of plain floats, JSON-ready; nothing here computes."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+Direction = Literal["lower", "higher", "unit"]
+
+#: Whether a smaller ("lower"), larger ("higher") or closer-to-one ("unit": |1 - value|) value is better.
+METRIC_DIRECTIONS: dict[str, Direction] = {
+    "ref_rms": "lower",
+    "rms_abs": "lower",
+    "rms_rel": "lower",
+    "max_abs": "lower",
+    "max_rel": "lower",
+    "bias_abs": "lower",
+    "bias_rel": "lower",
+    "correlation": "higher",
+    "slope": "unit",
+    "residual_rms_rel": "lower",
+    "cosine": "higher",
+    "sqnr_db": "higher",
+    "nonfinite": "lower",
+    # Log-ratio statistics of chosen-token log-probabilities (kind "logprob"), see logprobs.py.
+    "delta_mean": "lower",
+    "delta_rms": "lower",
+    "delta_max_abs": "lower",
+    "clip_fraction": "lower",
+    "seq_delta_mean": "lower",
+    "seq_delta_std": "lower",
+    "seq_delta_rms": "lower",
+    "seq_delta_max": "lower",
+    "kl_mean": "lower",
+    "kl_max": "lower",
+    "top1_agreement": "higher",
+    # Cross-engine decomposition delta = floor + (e_a - e_b), see cross_engine.py.
+    "rho": "higher",
+    "rms_e_a": "lower",
+    "rms_e_b": "lower",
+    "rms_e_diff": "lower",
+    "rms_floor": "lower",
+    # Range statistics (compare(range_stats=True)), see RangeStats. All "lower": a fraction of elements lost to
+    # underflow or overflow is harm done by the variant's dtype, and a bound on the reference's own largest
+    # magnitude or dynamic range (descriptive of the reference, but what decides whether a narrow dtype can
+    # hold it) is a maximum, "activations stay below 1e4 so that fp16 keeps headroom".
+    "underflow_frac": "lower",
+    "zero_frac": "lower",
+    "overflow_frac": "lower",
+    "ref_absmax": "lower",
+    "dynamic_range_log2": "lower",
+}
+
+#: Metrics only some records carry (log-probability rows); None elsewhere and left out of their JSON.
+OPTIONAL_METRICS: tuple[str, ...] = (
+    "delta_mean",
+    "delta_rms",
+    "delta_max_abs",
+    "clip_fraction",
+    "seq_delta_mean",
+    "seq_delta_std",
+    "seq_delta_rms",
+    "seq_delta_max",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    "rho",
+    "rms_e_a",
+    "rms_e_b",
+    "rms_e_diff",
+    "rms_floor",
+    "underflow_frac",
+    "zero_frac",
+    "overflow_frac",
+    "ref_absmax",
+    "dynamic_range_log2",
+)
+
+#: Metrics describing the reference rather than an error: never gated.
+DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
+
+#: Signed metrics whose magnitude is what matters (the gate compares |value|).
+SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean"})
+
+
+@dataclass(frozen=True)
+class TensorError:
+    """Error of one variant tensor against its reference. Undefined values are None.
+
+    count: elements compared (both finite, not masked out).
+    ref_rms: sqrt(mean(x^2)).
+    rms_abs: sqrt(mean((y-x)^2)); rms_rel = rms_abs / ref_rms (None when ref_rms is 0).
+    max_abs: max|y-x|; max_rel = max_abs / ref_rms.
+    bias_abs: mean(y-x); bias_rel = bias_abs / ref_rms.
+    correlation: centred Pearson correlation of x and y (None when either is constant).
+    slope: cov(x,y) / var(x), the least-squares fit y ~ slope*x + c (None when x is constant).
+    residual_rms_rel: RMS of y about that fit over ref_rms, sqrt(max(var_y - cov^2/var_x, 0)) / ref_rms.
+    cosine: sum(xy) / sqrt(sum(x^2) sum(y^2)) (None when either is all zeros).
+    sqnr_db: 10 log10(sum x^2 / sum (y-x)^2); +inf when y equals x, -inf when x is all zeros and y is not.
+    nonfinite: count of NaN/Inf in y where x is finite.
+    """
+
+    count: int
+    ref_rms: float | None
+    rms_abs: float | None
+    rms_rel: float | None
+    max_abs: float | None
+    max_rel: float | None
+    bias_abs: float | None
+    bias_rel: float | None
+    correlation: float | None
+    slope: float | None
+    residual_rms_rel: float | None
+    cosine: float | None
+    sqnr_db: float | None
+    nonfinite: int
+
+
+METRIC_NAMES: tuple[str, ...] = tuple(f.name for f in fields(TensorError) if f.name != "count")
+
+
+#: Propagated kinds, the parameters' cast ("weight_cast", compare(weight_cast=True): next to the gradients, one row
+#: per parameter), then the isolated ones (see pytest_precision.engine.isolated).
+KINDS = ("fw", "logprob", "loss", "bw", "grad", "weight_cast", "fw_isolated", "bw_isolated", "grad_isolated")
+
+
+def kind_rank(kind: str) -> int:
+    """Display and gate order of kinds: forward rows, the loss, backward rows, parameter gradients, weights."""
+    return KINDS.index(kind) if kind in KINDS else len(KINDS)
+
+
+_ERROR_FIELDS = dataclasses.fields(TensorError)
+
+
+@dataclass(frozen=True)
+class Record(TensorError):
+    """The error of one tensor of one variant; each metric of TensorError is an attribute."""
+
+    name: str = ""
+    kind: str = ""
+    shape: tuple[int, ...] = ()
+    # Log-probability rows only (None elsewhere): statistics of delta = logpi_variant - logpi_reference.
+    delta_mean: float | None = None
+    delta_rms: float | None = None
+    delta_max_abs: float | None = None
+    clip_fraction: float | None = None
+    seq_delta_mean: float | None = None
+    seq_delta_std: float | None = None
+    seq_delta_rms: float | None = None
+    seq_delta_max: float | None = None
+    kl_mean: float | None = None
+    kl_max: float | None = None
+    top1_agreement: float | None = None
+    # Cross-engine rows only: the error decomposition against each side's own reference.
+    rho: float | None = None
+    rms_e_a: float | None = None
+    rms_e_b: float | None = None
+    rms_e_diff: float | None = None
+    rms_floor: float | None = None
+    # compare(range_stats=True) only, not on logprob and loss rows: range_stats.RangeStats of the reference tensor
+    # in the variant's compute dtype (bw and grad rows at the variant's loss scale).
+    underflow_frac: float | None = None
+    zero_frac: float | None = None
+    overflow_frac: float | None = None
+    ref_absmax: float | None = None
+    dynamic_range_log2: float | None = None
+    # compare(repeats > 1) only: run-to-run noise of rms_rel, see compare.
+    spread: float | None = None
+
+    @classmethod
+    def from_error(cls, name: str, kind: str, shape: tuple[int, ...], error: TensorError, **extra: Any) -> Record:
+        values = {f.name: getattr(error, f.name) for f in _ERROR_FIELDS}  # flat: asdict would deep-copy
+        return cls(**values, name=name, kind=kind, shape=tuple(shape), **extra)
+
+    def metric(self, metric: str) -> float | None:
+        """A metric by name (None when undefined)."""
+        value = getattr(self, metric)
+        return None if value is None else float(value)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; optional metrics appear only where defined, keeping baseline lines short."""
+        data = dataclasses.asdict(self)
+        data["shape"] = list(self.shape)
+        for metric in (*OPTIONAL_METRICS, "spread"):
+            if data[metric] is None:
+                del data[metric]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Record:
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in dataclasses.fields(cls)}
+        values["shape"] = tuple(data.get("shape") or ())
+        values["count"] = int(data.get("count") or 0)
+        values["nonfinite"] = int(data.get("nonfinite") or 0)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What one run was: its spec, the dtypes it held, its inputs and the backend settings it pinned."""
+
+    variant: dict[str, Any]
+    parameter_dtypes: dict[str, int]
+    buffer_dtypes: dict[str, int]
+    input_shapes: dict[str, list[int]]
+    token_count: int | None
+    backend: dict[str, Any]
+    #: fp16 gradient loss scale of this run (None when the run was not scaled).
+    loss_scale: float | None = None
+    #: Parameter name -> "lm_head", "embedding", "linear", "norm", "bias" or "other" (tied parameters once).
+    parameter_categories: dict[str, str] = field(default_factory=dict)
+    #: Whether the output head shares its weight with the input embedding.
+    tied_head: bool | None = None
+    #: Runs of this variant compare(repeats=...) made to measure run-to-run noise.
+    repeats: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; `repeats` only when more than one, keeping single-run baselines unchanged."""
+        data = dataclasses.asdict(self)
+        if self.repeats == 1:
+            del data["repeats"]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunInfo:
+        values: dict[str, Any] = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        return cls(**values)
+
+
+_Report = TypeVar("_Report", bound="ReportData")
+
+
+@dataclass
+class ReportData:
+    """Records of every variant against the reference, in capture (execution) order: the data of a
+    PrecisionReport (pytest_precision.reports.report), which adds what needs the layers above."""
+
+    reference: RunInfo
+    device: str
+    runs: dict[str, RunInfo] = field(default_factory=dict)
+    _records: dict[str, list[Record]] = field(default_factory=dict)
+    missing: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
+    #: Variant -> where its first NaN/Inf appeared, "module.name (fw)" or "module.name (bw)" (see compare).
+    nonfinite_origin: dict[str, str] = field(default_factory=dict)
+    #: Under torch.distributed: {"world_size": N, "mesh": [..] or None, "mesh_dims": [..] or None}; else empty.
+    distributed: dict[str, Any] = field(default_factory=dict)
+    #: For a causal LM, in memory only (not in the report's files): each variant's chosen-token log-probs
+    #: (batch, seq - 1), the reference's, and which positions count; see logprob_mismatch.
+    token_logprobs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    reference_logprobs: Any = field(default=None, repr=False, compare=False)
+    logprob_mask: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def variants(self) -> list[str]:
+        """Variant names, in the order they ran."""
+        return list(self.runs)
+
+    def records(self, variant: str, kind: str | None = None) -> list[Record]:
+        """The variant's records (optionally of one kind), in execution order."""
+        if variant not in self._records:
+            raise KeyError(f"no variant {variant!r} in this report; variants: {', '.join(self.variants)}")
+        rows = self._records[variant]
+        return [r for r in rows if kind is None or r.kind == kind]
+
+    def get(self, variant: str, name: str, kind: str = "fw") -> Record:
+        """One record by variant, tensor name and kind."""
+        for record in self.records(variant):
+            if record.name == name and record.kind == kind:
+                return record
+        names = [r.name for r in self.records(variant, kind)]
+        raise KeyError(f"variant {variant!r} has no {kind} tensor {name!r}; {kind} tensors: {', '.join(names)}")
+
+    def add(self, variant: str, run: RunInfo, records: list[Record], missing: list[tuple[str, str]]) -> None:
+        self.runs[variant] = run
+        # Grouped by kind, each kind in capture order: forward order, backward order, gradient order.
+        self._records[variant] = sorted(records, key=lambda r: kind_rank(r.kind))
+        self.missing[variant] = missing
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "reference": self.reference.to_dict(),
+            "variants": {
+                name: {
+                    "run": self.runs[name].to_dict(),
+                    "records": [r.to_dict() for r in self._records[name]],
+                    "missing": [list(m) for m in self.missing.get(name, [])],
+                }
+                for name in self.variants
+            },
+            "order": self.variants,
+            "nonfinite_origin": dict(self.nonfinite_origin),
+        }
+
+    @classmethod
+    def from_dict(cls: type[_Report], data: dict[str, Any]) -> _Report:
+        report = cls(reference=RunInfo.from_dict(data["reference"]), device=data.get("device", "cpu"))
+        variants = data["variants"]
+        for name in data.get("order") or list(variants):
+            entry = variants[name]
+            report.add(
+                name,
+                RunInfo.from_dict(entry["run"]),
+                [Record.from_dict(r) for r in entry["records"]],
+                [(m[0], m[1]) for m in entry.get("missing", [])],
+            )
+        report.nonfinite_origin = dict(data.get("nonfinite_origin") or {})
+        return report

@@ -1,0 +1,212 @@
+"""Variants given by their fields in a JSON or TOML file (`pytest-precision run --variants-file FILE`).
+
+JSON: a list of objects, or an object {"variants": [...]}. TOML (Python 3.11+, or with tomli installed):
+an array of tables `[[variants]]`. Each entry takes the fields of Variant that need no Python:
+
+    name                 required; letters, digits and _ . + - (it names files: logprobs/<name>.npy), not a
+                         device name Windows reserves (CON, NUL, COM1, ..., also as "con.x")
+    dtype                "float32"/"fp32", "bfloat16"/"bf16", "float16"/"fp16", "float64"/"fp64"
+    autocast             true: fp32 weights, the forward under torch.autocast(dtype)
+    fp32_modules         list of full-match regexes of modules computed in fp32 ("<output head>": the LM head)
+    matmul_precision     "highest", "high" (TF32) or "medium"
+    backend              {"cuda.matmul.allow_tf32": true, ...}: torch.backends flag paths and values
+    attn_implementation  "eager", "sdpa", ... (transformers models)
+    arrangement          "decode", "batch_alone" or "left_padded" (forward only)
+
+Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.engine.variants import Variant, checked_file_name
+
+#: The fields a variants file may give, with what each must be (for the error messages).
+FILE_FIELDS: dict[str, str] = {
+    "name": "a name of letters, digits and _ . + -",
+    "dtype": "one of float32, bfloat16, float16, float64 (or fp32, bf16, fp16, fp64)",
+    "autocast": "true or false",
+    "fp32_modules": "a list of regexes of module names",
+    "matmul_precision": "one of highest, high, medium",
+    "backend": "an object of torch.backends flag paths to values",
+    "attn_implementation": "an attention implementation name such as eager or sdpa, or null",
+    "arrangement": "one of decode, batch_alone, left_padded",
+}
+#: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
+#: Names the command uses for files of its own.
+TAKEN_NAMES = frozenset({"reference"})
+
+
+def _toml_module() -> Any:
+    """tomllib (Python 3.11+), else tomli when installed, else None."""
+    import importlib
+
+    for name in ("tomllib", "tomli"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    return None
+
+
+def _read(path: Path) -> Any:
+    """The file's parsed content: JSON, or TOML for a .toml file."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ConfigurationError(f"--variants-file {path}: cannot read it: {error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise ConfigurationError(f"--variants-file {path}: not UTF-8 text; write it as UTF-8 JSON or TOML") from None
+    if path.suffix.lower() == ".toml":
+        toml = _toml_module()
+        if toml is None:
+            raise ConfigurationError(
+                f"--variants-file {path}: reading TOML needs Python 3.11 or the tomli package "
+                "(pip install tomli); or write the file as JSON"
+            )
+        try:
+            return toml.loads(text)
+        except toml.TOMLDecodeError as error:
+            raise ConfigurationError(f"--variants-file {path}: not valid TOML ({error})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigurationError(
+            f"--variants-file {path}: not valid JSON (line {error.lineno} column {error.colno}: {error.msg})"
+        ) from None
+    except RecursionError:
+        raise ConfigurationError(f"--variants-file {path}: not valid JSON (nested too deeply)") from None
+
+
+def _entries(path: Path, data: Any) -> list[Any]:
+    if isinstance(data, Mapping):
+        unknown = sorted(set(data) - {"variants"})
+        if unknown or "variants" not in data:
+            raise ConfigurationError(
+                f"--variants-file {path}: expected a list of variants or an object with only 'variants' "
+                f"(TOML: [[variants]] tables), found key(s) {', '.join(map(repr, sorted(data))) or 'none'}"
+            )
+        data = data["variants"]
+    if not isinstance(data, list) or not data:
+        raise ConfigurationError(
+            f"--variants-file {path}: 'variants' must be a non-empty list of variants, got "
+            f"{'an empty list' if isinstance(data, list) else type(data).__name__}"
+        )
+    return data
+
+
+def _checked_backend(value: Any, where: str) -> dict[str, Any]:
+    """The backend flags, each an existing torch.backends attribute given a value of its own type."""
+    from pytest_precision.engine.backend_flags import _resolve_flag
+
+    if not isinstance(value, Mapping):
+        raise ConfigurationError(f"{where}: backend must be {FILE_FIELDS['backend']}, got {value!r}")
+    flags: dict[str, Any] = {}
+    for flag, setting in value.items():
+        try:
+            owner, attribute = _resolve_flag(str(flag))
+        except ConfigurationError as error:
+            raise ConfigurationError(f"{where}: {error}") from None
+        current = getattr(owner, attribute)
+        if type(setting) is not type(current):
+            raise ConfigurationError(
+                f"{where}: backend flag {flag!r} takes a {type(current).__name__} (it is {current!r} now), "
+                f"got {setting!r}"
+            )
+        flags[str(flag)] = setting
+    return flags
+
+
+def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
+    """The Variant fields of one entry, each checked for its type and value."""
+    from pytest_precision.base.dtypes import dtype_name
+    from pytest_precision.engine.arrangements import BUILTIN_ARRANGEMENTS
+
+    if not isinstance(entry, Mapping):
+        raise ConfigurationError(f"{where}: a variant is an object of fields, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - set(FILE_FIELDS))
+    if unknown:
+        raise ConfigurationError(
+            f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; a variant takes {', '.join(FILE_FIELDS)}"
+        )
+    name = entry.get("name")
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ConfigurationError(f"{where}: 'name' must be {FILE_FIELDS['name']}, got {name!r}")
+    if name.lower() in TAKEN_NAMES:
+        raise ConfigurationError(f"{where}: the name {name!r} is taken by the reference run's files; choose another")
+    checked_file_name(name, where)
+    fields: dict[str, Any] = {"name": name}
+
+    def wrong(field: str) -> ConfigurationError:
+        return ConfigurationError(f"{where}: {field} must be {FILE_FIELDS[field]}, got {entry[field]!r}")
+
+    if "dtype" in entry:
+        if not isinstance(entry["dtype"], str):
+            raise wrong("dtype")
+        try:
+            fields["dtype"] = dtype_name(entry["dtype"])
+        except ConfigurationError:
+            raise wrong("dtype") from None
+    if "autocast" in entry:
+        if not isinstance(entry["autocast"], bool):
+            raise wrong("autocast")
+        fields["autocast"] = entry["autocast"]
+    if "fp32_modules" in entry:
+        modules = entry["fp32_modules"]
+        if not isinstance(modules, list) or not all(isinstance(m, str) and m for m in modules):
+            raise wrong("fp32_modules")
+        for pattern in modules:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ConfigurationError(f"{where}: fp32_modules: {pattern!r} is not a regex ({error})") from None
+        fields["fp32_modules"] = tuple(modules)
+    if "matmul_precision" in entry:
+        if entry["matmul_precision"] not in ("highest", "high", "medium"):
+            raise wrong("matmul_precision")
+        fields["matmul_precision"] = entry["matmul_precision"]
+    if "backend" in entry:
+        fields["backend"] = _checked_backend(entry["backend"], where)
+    if "attn_implementation" in entry:
+        value = entry["attn_implementation"]
+        if value is not None and (not isinstance(value, str) or not value):
+            raise wrong("attn_implementation")
+        fields["attn_implementation"] = value
+    if "arrangement" in entry:
+        if not isinstance(entry["arrangement"], str) or entry["arrangement"] not in BUILTIN_ARRANGEMENTS:
+            raise wrong("arrangement")
+        fields["arrangement"] = entry["arrangement"]
+    return fields
+
+
+def load_variants_file(path: str | Path) -> list[Variant]:
+    """The variants a JSON or TOML file describes (see the module docstring); names unique in the file."""
+    path = Path(path)
+    variants: list[Variant] = []
+    for number, entry in enumerate(_entries(path, _read(path)), start=1):
+        shown_name = entry.get("name") if isinstance(entry, Mapping) else None
+        where = f"--variants-file {path}, variant {number}" + (
+            f" ({shown_name!r})" if isinstance(shown_name, str) else ""
+        )
+        fields = _checked_entry(entry, where)
+        try:
+            variant = Variant(**fields)
+        except ConfigurationError as error:  # a combination Variant refuses (autocast with float32, ...)
+            raise ConfigurationError(f"{where}: {error}") from None
+        if any(v.name.lower() == variant.name.lower() for v in variants):
+            # Case apart: logprobs/<name>.npy of two names differing in case is one file on macOS and Windows.
+            raise ConfigurationError(f"{where}: the name {variant.name!r} is given twice in the file (case apart)")
+        variants.append(variant)
+    return variants
+
+
+__all__ = ["FILE_FIELDS", "load_variants_file"]
