@@ -116,7 +116,10 @@ def _message(error: Any, data: dict[str, Any], literal: type[str], literal_hint:
     if not isinstance(name, str):
         return f"{where}, records[{index}]: field 'name' is {json_type(name)}, not a string"
     if len(inner) == 2:  # a field is missing
-        return f"{where}, tensor {name!r} ({kind}): field {_missing_field(error)!r} is missing"
+        missing = _missing_field(error)
+        if missing == "kind":
+            return f"{where}, tensor {name!r}: field 'kind' is None, not {_field_text('record', 'kind', version)}"
+        return f"{where}, tensor {name!r} ({kind}): field {missing!r} is missing"
     field = str(inner[2])
     value = record[field]
     if field == "kind":

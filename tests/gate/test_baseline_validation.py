@@ -156,6 +156,20 @@ def set_top(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
     return edit
 
 
+def drop_top(field: str) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        del data[field]
+
+    return edit
+
+
+def set_reference(field: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def edit(data: dict[str, Any]) -> None:
+        data["reference"][field] = value
+
+    return edit
+
+
 def set_variant(value: Any) -> Callable[[dict[str, Any]], None]:
     def edit(data: dict[str, Any]) -> None:
         data["variants"]["fp16"] = value
@@ -171,6 +185,8 @@ DAMAGE = [
     (set_record("cosine", [0.9]), f"{HEAD}: field 'cosine' is [0.9], not a number"),
     (set_record("spread", {"a": 1}), f"{HEAD}: field 'spread' is {{'a': 1}}, not a number"),
     (drop_record_field("rms_rel"), f"{HEAD}: field 'rms_rel' is missing"),
+    (drop_record_field("kind"), "variant 'fp16', tensor 'head': field 'kind' is None, not one of fw, "),
+    (drop_record_field("name"), "variant 'fp16', records[1]: field 'name' is null, not a string"),
     (set_record("kind", "forward"), "variant 'fp16', tensor 'head': field 'kind' is 'forward', not one of fw, "),
     (set_record("name", 3), "variant 'fp16', records[1]: field 'name' is a number, not a string"),
     (set_record("shape", "2x3"), f"{HEAD}: field 'shape' is '2x3', not a list of non-negative integers"),
@@ -192,10 +208,32 @@ DAMAGE = [
     (set_top("variants", []), "'variants' is a list, not an object of variants"),
     (set_top("variant_order", ["fp16"]), "'variant_order' ['fp16'] does not list each variant of 'variants' once"),
     (set_top("variant_order", ["fp16", "bf16", "bf16"]), "'variant_order' ['fp16', 'bf16', 'bf16'] does not list"),
-    (set_top("variant_order", "fp16,bf16"), "'variant_order' 'fp16,bf16' does not list"),
+    (
+        set_top("variant_order", "fp16,bf16"),
+        "'variant_order' 'fp16,bf16' does not list each variant of 'variants' once (bf16, fp16).",
+    ),
+    (set_top("test", 1.5), "field 'test' is a number, not a string"),
+    (set_variant({"run": {}}), "variant 'fp16': 'records' is null, not a list of records"),
+    (set_record("zero_frac", "-inf"), f"{HEAD}: field 'zero_frac' is '-inf', not a fraction in [0, 1] (or null)"),
     (set_top("test", 5), "field 'test' is a number, not a string"),
     (set_top("environment", "cpu"), "field 'environment' is a string, not an object"),
     (set_top("reference", None), "field 'reference' is null, not an object"),
+    (set_top("test", True), "field 'test' is a boolean, not a string"),
+    (set_top("device", ["cpu"]), "field 'device' is a list, not a string"),
+    (drop_top("variants"), "'variants' is null, not an object of variants"),
+    (
+        set_top("variant_order", ["bf16"]),
+        "'variant_order' ['bf16'] does not list each variant of 'variants' once (bf16, fp16).",
+    ),
+    (set_reference("run", []), "the reference: 'run' is a list, not an object"),
+    (set_reference("spec", "fp32"), "the reference: 'spec' is a string, not an object"),
+    (
+        set_record("underflow_frac", "0.5"),
+        f"{HEAD}: field 'underflow_frac' is '0.5', not a number, null, \"inf\" or \"-inf\"",
+    ),
+    (set_record("underflow_frac", 1.5), f"{HEAD}: field 'underflow_frac' is 1.5, not a fraction in [0, 1] (or null)"),
+    (set_record("zero_frac", "inf"), f"{HEAD}: field 'zero_frac' is 'inf', not a fraction in [0, 1] (or null)"),
+    (set_record("ref_absmax", -1.0), f"{HEAD}: field 'ref_absmax' is -1.0, not a non-negative number (or null)"),
 ]
 
 
@@ -302,8 +340,41 @@ def test_plain_jsonschema_refuses_what_the_schema_can_say(
         "is 3.0, not a finite",  # a power of two
         "is 'Infinity', not a finite",  # finite (the literal reads back as a float infinity)
         "'variant_order' ['fp16'] does",  # each variant once
+        "'variant_order' ['bf16'] does",
         "'variant_order' ['fp16', 'bf16', 'bf16'] does",
         "is [2.0, 3]",  # JSON Schema counts 2.0 as an integer
     )
     errors = list(jsonschema.Draft202012Validator(schema(1)).iter_errors(json.loads(json.dumps(data))))
     assert bool(errors) == (not any(fragment in message for fragment in beyond_a_schema)), errors
+
+
+def test_of_several_problems_the_first_in_document_order_is_named(written: Path) -> None:
+    """The document's own fields before its variants, a variant's block before its records, and within a record
+    who it is (name, kind) before its counts, then what is missing, then its metrics."""
+    data = json.loads(written.read_text())
+    record = record_of(data)
+    record["rms_rel"] = "x"
+    del record["max_rel"]
+    record["count"] = -1
+    cases = [
+        (f"{HEAD}: field 'count' is -1", None),
+        (f"{HEAD}: field 'max_rel' is missing", ("count", 6)),
+        (f"{HEAD}: field 'rms_rel' is 'x'", ("max_rel", 0.1)),
+    ]
+    for message, repair in cases:
+        if repair:
+            record[repair[0]] = repair[1]
+        record["kind"] = "forward"
+        written.write_text(json.dumps(data), encoding="utf-8")
+        with pytest.raises(BaselineError, match="field 'kind' is 'forward'"):
+            load_baseline(written, REFRESH)
+        record["kind"] = "fw"
+        data["test"] = 5
+        written.write_text(json.dumps(data), encoding="utf-8")
+        with pytest.raises(BaselineError, match="field 'test' is a number"):
+            load_baseline(written, REFRESH)
+        data["test"] = "t.py::t"
+        written.write_text(json.dumps(data), encoding="utf-8")
+        with pytest.raises(BaselineError) as raised:
+            load_baseline(written, REFRESH)
+        assert f": {message}" in str(raised.value)
