@@ -87,7 +87,7 @@ def _message(error: Any, data: dict[str, Any], literal: type[str], literal_hint:
     if error.validator == "required" and not path:
         field = _missing_field(error)
         return f"'{field}' is null, not {_field_text('', field, version)}"
-    if len(path) == 1:
+    if len(path) == 1 or path[0] not in ("reference", "variants"):  # a field of the document, or inside one
         field, value = str(path[0]), data[path[0]]
         if field == "variants":
             return f"'variants' is {json_type(value)}, not an object of variants"

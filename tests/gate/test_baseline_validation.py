@@ -213,6 +213,10 @@ DAMAGE = [
         "'variant_order' 'fp16,bf16' does not list each variant of 'variants' once (bf16, fp16).",
     ),
     (set_top("test", 1.5), "field 'test' is a number, not a string"),
+    (
+        set_top("variant_order", ["fp16", 1]),
+        "'variant_order' ['fp16', 1] does not list each variant of 'variants' once",
+    ),
     (set_variant({"run": {}}), "variant 'fp16': 'records' is null, not a list of records"),
     (set_record("zero_frac", "-inf"), f"{HEAD}: field 'zero_frac' is '-inf', not a fraction in [0, 1] (or null)"),
     (set_top("test", 5), "field 'test' is a number, not a string"),
