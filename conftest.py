@@ -151,6 +151,31 @@ def llama_batch() -> dict[str, Any]:
 # --- The code blocks of README.md and of the docs pages (docs/**/*.md) run as tests, one per page -------------
 # (docs/doc_blocks.py says how each block runs). Here and not in a docs/conftest.py: a second module named
 # `conftest` would shadow this one for the tests that import its models.
+# The CPU (oneDNN) fp32 matmul precision in one vocabulary on every torch: "ieee", "tf32" or "bf16". torch >= 2.9
+# has `torch.backends.mkldnn.matmul.fp32_precision`; older torch has the process-wide float32 matmul precision.
+_LEGACY_TO_CPU_PRECISION = {"highest": "ieee", "high": "tf32", "medium": "bf16"}
+
+
+def cpu_matmul_precision() -> str:
+    """The fp32 matmul precision oneDNN uses now, read through torch's public API of this version."""
+    import torch
+
+    if hasattr(torch.backends.mkldnn, "matmul"):
+        return str(torch.backends.mkldnn.matmul.fp32_precision)
+    return _LEGACY_TO_CPU_PRECISION[torch.get_float32_matmul_precision()]
+
+
+def set_cpu_matmul_precision(value: str) -> None:
+    """Set what cpu_matmul_precision() reads ("ieee", "tf32" or "bf16"; "none" too on torch >= 2.9)."""
+    import torch
+
+    if hasattr(torch.backends.mkldnn, "matmul"):
+        torch.backends.mkldnn.matmul.fp32_precision = value
+    else:
+        legacy = {v: k for k, v in _LEGACY_TO_CPU_PRECISION.items()}
+        torch.set_float32_matmul_precision(legacy[value])
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     if file_path != ROOT / "README.md" and not (file_path.suffix == ".md" and (ROOT / "docs") in file_path.parents):
         return None

@@ -17,6 +17,8 @@ from torch.distributed.fsdp import fully_shard
 
 import pytest_precision
 from conftest import load_tiny_llama, random_tokens
+from pytest_precision.base.torch_version import torch_version
+from pytest_precision.distributed.sharding import FSDP_ON_CPU_SINCE
 
 
 def shard(model: Any, variant: pytest_precision.Variant) -> None:
@@ -26,6 +28,7 @@ def shard(model: Any, variant: pytest_precision.Variant) -> None:
     fully_shard(model, mp_policy=variant.mp_policy())
 
 
+@pytest.mark.skipif(torch_version() < FSDP_ON_CPU_SINCE, reason="FSDP2 runs on the CPU from torch 2.7")
 @pytest.mark.precision_distributed(world_size=2)
 def test_fsdp_mixed_precision(precision, assert_precision_within):
     ids = random_tokens(batch=4, length=64, seed=0)

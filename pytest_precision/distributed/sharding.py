@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.base.torch_version import torch_version, version_text
 from pytest_precision.numbers.metrics import EXACT_SUMS
 
 if TYPE_CHECKING:
@@ -195,7 +196,24 @@ def mesh_of(model: nn.Module) -> dict[str, Any]:
     return {"world_size": distributed.world_size(), "mesh": mesh, "mesh_dims": names}
 
 
-def check_policy(model: nn.Module, variant: PolicyHolder) -> None:
+#: The first torch whose FSDP2 runs on the CPU (torch 2.6's FSDP2 calls `torch.cpu.Stream.record_event`, which
+#: only 2.7 has).
+FSDP_ON_CPU_SINCE = (2, 7)
+
+
+def check_fsdp_device(sharded_modules: Sequence[nn.Module], device_type: str) -> None:
+    """Refuse FSDP2 on the CPU where this torch cannot run it, naming the version, before a rank crashes."""
+    import torch
+
+    if sharded_modules and device_type == "cpu" and torch_version() < FSDP_ON_CPU_SINCE:
+        since = version_text(FSDP_ON_CPU_SINCE)
+        raise ConfigurationError(
+            f"FSDP2 (fully_shard) runs on the CPU from torch {since}; this is torch {torch.__version__}. Run "
+            f"sharded models on CUDA devices, or install torch >= {since} for CPU runs (gloo)"
+        )
+
+
+def check_policy(model: nn.Module, variant: PolicyHolder, device_type: str = "cpu") -> None:
     """Every fully_shard of the run's model used `variant.mp_policy()`: a shard function ignoring it would
     measure the fp32 reference against itself (or a bf16 "reference"); a variant with FSDP2 knobs needs one."""
     from torch.distributed.fsdp import FSDPModule
@@ -207,9 +225,11 @@ def check_policy(model: nn.Module, variant: PolicyHolder) -> None:
             f"variant {variant.name!r} sets FSDP2 mixed precision ({variant.fsdp_description()}) but the shard "
             "function applied no fully_shard: call fully_shard(module, mp_policy=variant.mp_policy()) in it"
         )
+    check_fsdp_device(sharded_modules, device_type)
     for module in sharded_modules:
-        state = module._get_fsdp_state()  # type: ignore[attr-defined,operator]
-        policy = getattr(state, "_mp_policy", None)
+        # FSDP2 keeps the policy in private state; where a torch version lacks it the check is skipped.
+        get_state = getattr(module, "_get_fsdp_state", None)
+        policy = getattr(get_state(), "_mp_policy", None) if callable(get_state) else None
         if policy is not None and policy != wanted:
             raise ConfigurationError(
                 f"run {variant.name!r}: fully_shard got mp_policy={policy}, the run asks for {wanted}; pass "

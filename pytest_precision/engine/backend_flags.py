@@ -1,9 +1,16 @@
 """Pin the torch backend flags a run depends on, and restore the user's afterwards.
 
-fp32 matmul precision is pinned through the per-backend `fp32_precision` settings (torch >= 2.9). The
-legacy getters (`torch.get_float32_matmul_precision()`, `allow_tf32`) are never read: once the new API has
-been used they may raise. The cuBLAS reduced-precision-reduction flags default to True; every run pins them
-False unless its variant sets them, so `bf16_reduced_reduction` differs from plain `bf16` on GPUs.
+Everything is read and set through public `torch.backends` attributes. Two generations of torch differ:
+
+- torch >= 2.9 has per-backend `fp32_precision` settings (`torch.backends.cuda.matmul.fp32_precision`, ...).
+  They are pinned per op; the legacy getters are never read, since after the new API has been used they
+  may raise.
+- torch 2.6 to 2.8 has one `torch.set_float32_matmul_precision()` for matmuls (TF32 on CUDA from "high",
+  bf16 on oneDNN at "medium") and `torch.backends.cudnn.allow_tf32` for cuDNN convolutions and RNNs.
+
+The same `matmul_precision` means the same on both: "highest" is IEEE fp32 everywhere, "high" TF32 on CUDA.
+The cuBLAS reduced-precision-reduction flags default to True; every run pins them False unless its variant
+sets them, so `bf16_reduced_reduction` differs from plain `bf16` on GPUs.
 """
 
 from __future__ import annotations
@@ -14,21 +21,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.base.torch_version import torch_version, version_text
 from pytest_precision.engine.variants import Variant
 
-# (backend, op) pairs of torch's fp32_precision settings, parents before children so that restoring in
-# this order reproduces each effective value.
-_FP32_PRECISION_KEYS: tuple[tuple[str, str], ...] = (
-    ("generic", "all"),
-    ("cuda", "all"),
-    ("mkldnn", "all"),
-    ("cuda", "matmul"),
-    ("cuda", "conv"),
-    ("cuda", "rnn"),
-    ("mkldnn", "matmul"),
-    ("mkldnn", "conv"),
-    ("mkldnn", "rnn"),
-)
+#: The torch release that brought the per-backend `fp32_precision` settings.
+FP32_PRECISION_SINCE = (2, 9)
+
+# The fp32_precision leaves a run pins (torch >= 2.9): report key (backend.op, as torch names them inside) ->
+# torch.backends path. Their parents ("all" per backend, and the generic one) are never set, so they need no
+# restoring.
+_FP32_PRECISION_PATHS: dict[str, str] = {
+    "cuda.matmul.fp32_precision": "cuda.matmul.fp32_precision",
+    "cuda.conv.fp32_precision": "cudnn.conv.fp32_precision",
+    "cuda.rnn.fp32_precision": "cudnn.rnn.fp32_precision",
+    "mkldnn.matmul.fp32_precision": "mkldnn.matmul.fp32_precision",
+    "mkldnn.conv.fp32_precision": "mkldnn.conv.fp32_precision",
+    "mkldnn.rnn.fp32_precision": "mkldnn.rnn.fp32_precision",
+}
 
 # What each matmul precision means per backend: cuda has no bf16 mode for fp32 matmuls.
 _PRECISION_BY_BACKEND: dict[str, dict[str, str]] = {
@@ -36,6 +45,10 @@ _PRECISION_BY_BACKEND: dict[str, dict[str, str]] = {
     "high": {"cuda": "tf32", "mkldnn": "tf32"},
     "medium": {"cuda": "tf32", "mkldnn": "bf16"},
 }
+
+# torch < 2.9: the process-wide matmul precision (a report key, not a torch.backends path) and cuDNN's TF32.
+_LEGACY_MATMUL_KEY = "float32_matmul_precision"
+_LEGACY_CUDNN_TF32 = "cudnn.allow_tf32"
 
 #: Boolean flags every run pins, with the value a run gets unless its variant's `backend` says otherwise.
 PINNED_FLAGS: dict[str, bool] = {
@@ -53,6 +66,11 @@ class FlagSetting:
     effective: bool
 
 
+def has_fp32_precision_settings() -> bool:
+    """Whether this torch has the per-backend `fp32_precision` settings (torch >= 2.9)."""
+    return torch_version() >= FP32_PRECISION_SINCE
+
+
 def _resolve_flag(path: str) -> tuple[object, str]:
     import torch
 
@@ -63,6 +81,12 @@ def _resolve_flag(path: str) -> tuple[object, str]:
             owner = getattr(owner, part)
         getattr(owner, attribute)
     except (AttributeError, RuntimeError, AssertionError):
+        if attribute == "fp32_precision" and not has_fp32_precision_settings():
+            since = version_text(FP32_PRECISION_SINCE)
+            raise ConfigurationError(
+                f"backend flag {path!r} needs torch >= {since} (this is torch {torch.__version__}); on this "
+                "torch use the variant's matmul_precision ('high' is TF32) or 'cudnn.allow_tf32'"
+            ) from None
         raise ConfigurationError(
             f"backend flag {path!r} is not an attribute of torch.backends; use a dotted path such as "
             "'cuda.matmul.allow_bf16_reduced_precision_reduction'"
@@ -79,22 +103,50 @@ def _flag_is_effective(path: str, device_type: str) -> bool:
     return True
 
 
-def _fp32_snapshot() -> list[tuple[str, str, str]]:
+def _precision_snapshot() -> dict[str, Any]:
+    """The current matmul/conv precision settings this torch has, by report key."""
     import torch
 
-    return [(b, op, torch._C._get_fp32_precision_getter(b, op)) for b, op in _FP32_PRECISION_KEYS]
+    if has_fp32_precision_settings():
+        state: dict[str, Any] = {}
+        for key, path in _FP32_PRECISION_PATHS.items():
+            owner, attribute = _resolve_flag(path)
+            state[key] = getattr(owner, attribute)
+        return state
+    return {
+        _LEGACY_MATMUL_KEY: torch.get_float32_matmul_precision(),
+        _LEGACY_CUDNN_TF32: bool(torch.backends.cudnn.allow_tf32),
+    }
 
 
-def _fp32_restore(snapshot: list[tuple[str, str, str]]) -> None:
+def _precision_apply(state: Mapping[str, Any]) -> None:
     import torch
 
-    for backend, op, value in snapshot:
-        torch._C._set_fp32_precision_setter(backend, op, value)
+    for key, value in state.items():
+        if key == _LEGACY_MATMUL_KEY:
+            torch.set_float32_matmul_precision(value)
+        else:
+            owner, attribute = _resolve_flag(_FP32_PRECISION_PATHS.get(key, key))
+            setattr(owner, attribute, value)
 
 
-def fp32_precision_settings() -> dict[str, str]:
-    """The current fp32_precision per (backend.op), for the report's environment block."""
-    return {f"{b}.{op}": value for b, op, value in _fp32_snapshot()}
+def _pinned_precision(matmul_precision: str, device_type: str) -> list[FlagSetting]:
+    """The precision settings that give `matmul_precision` on this torch, each with its effect on the device."""
+    if has_fp32_precision_settings():
+        by_backend = _PRECISION_BY_BACKEND[matmul_precision]
+        return [
+            FlagSetting(key, by_backend[key.split(".", 1)[0]], _flag_is_effective(key, device_type))
+            for key in _FP32_PRECISION_PATHS
+        ]
+    return [
+        FlagSetting(_LEGACY_MATMUL_KEY, matmul_precision, True),
+        FlagSetting(_LEGACY_CUDNN_TF32, matmul_precision != "highest", _flag_is_effective("cudnn", device_type)),
+    ]
+
+
+def fp32_precision_settings() -> dict[str, Any]:
+    """The current fp32 precision settings (per backend op on torch >= 2.9), for the report's environment."""
+    return _precision_snapshot()
 
 
 @contextlib.contextmanager
@@ -103,28 +155,16 @@ def pinned_backend(variant: Variant, device_type: str) -> Iterator[list[FlagSett
 
     Yields what was set, each marked with whether it can have an effect on `device_type`.
     """
-    import torch
-
     flag_values: dict[str, Any] = dict(PINNED_FLAGS)
     flag_values.update(variant.backend)
     owners = {path: _resolve_flag(path) for path in flag_values}
-    saved_fp32 = _fp32_snapshot()
+    saved_precision = _precision_snapshot()
     saved_flags: dict[str, Any] = {}
     try:
         for path, (owner, attribute) in owners.items():
             saved_flags[path] = getattr(owner, attribute)
-        precision = _PRECISION_BY_BACKEND[variant.matmul_precision]
-        settings: list[FlagSetting] = []
-        for backend in ("cuda", "mkldnn"):
-            for op in ("matmul", "conv", "rnn"):
-                torch._C._set_fp32_precision_setter(backend, op, precision[backend])
-                settings.append(
-                    FlagSetting(
-                        f"{backend}.{op}.fp32_precision",
-                        precision[backend],
-                        _flag_is_effective(backend, device_type),
-                    )
-                )
+        settings = _pinned_precision(variant.matmul_precision, device_type)
+        _precision_apply({s.path: s.value for s in settings})
         for path, value in flag_values.items():
             owner, attribute = owners[path]
             setattr(owner, attribute, value)
@@ -134,12 +174,16 @@ def pinned_backend(variant: Variant, device_type: str) -> Iterator[list[FlagSett
         for path, value in saved_flags.items():
             owner, attribute = owners[path]
             setattr(owner, attribute, value)
-        _fp32_restore(saved_fp32)
+        _precision_apply(saved_precision)
 
 
 def flags_to_dict(settings: list[FlagSetting]) -> dict[str, Any]:
-    """{"settings": {path: value}, "no_effect": [paths that cannot affect this device]}, sorted by path."""
-    ordered = sorted(settings, key=lambda s: s.path)
+    """{"settings": {path: value}, "no_effect": [paths that cannot affect this device]}, sorted by path.
+
+    A path set twice (a variant's `backend` overriding a pinned precision) keeps its last value.
+    """
+    last = {s.path: s for s in settings}
+    ordered = sorted(last.values(), key=lambda s: s.path)
     return {
         "settings": {s.path: s.value for s in ordered},
         "no_effect": [s.path for s in ordered if not s.effective],
@@ -148,7 +192,7 @@ def flags_to_dict(settings: list[FlagSetting]) -> dict[str, Any]:
 
 def snapshot_backend_state(extra_paths: Mapping[str, Any] = PINNED_FLAGS) -> dict[str, Any]:
     """The user's current values of every setting a run may touch (for isolation tests)."""
-    state: dict[str, Any] = {f"fp32:{b}.{op}": v for b, op, v in _fp32_snapshot()}
+    state: dict[str, Any] = {f"precision:{key}": value for key, value in _precision_snapshot().items()}
     for path in extra_paths:
         owner, attribute = _resolve_flag(path)
         state[path] = getattr(owner, attribute)

@@ -288,7 +288,7 @@ def build_run_model(
                 "model (or None when it shards in place)"
             )
         model = model if result is None else result
-        check_policy(model, variant)
+        check_policy(model, variant, device.type)
         return model
     if variant.fsdp_knobs:
         raise ConfigurationError(

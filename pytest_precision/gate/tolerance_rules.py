@@ -44,6 +44,9 @@ class ToleranceRules:
     per_tensor: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: {metric: {"rtol": .., "atol": ..}} of the session levels (ini, command line, marker), already merged.
     base_metrics: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    #: Added to every rtol: an environment-drift rule's allowance while the baseline's environment differs
+    #: (see gate/drift.py); 0 otherwise.
+    drift_rtol: float = 0.0
 
     def __post_init__(self) -> None:
         for name in QUANTITIES:
@@ -72,6 +75,7 @@ class ToleranceRules:
                     )
             if not nested:
                 checked_metric(key, f"tolerances[{key!r}]")
+        checked_number(self.drift_rtol, "drift_rtol", minimum=0.0)
         for metric, values in self.base_metrics.items():
             checked_metric(metric, "per-metric tolerance")
             _check_quantities(values, f"per-metric tolerance {metric!r}")
@@ -96,7 +100,7 @@ class ToleranceRules:
                 getattr(self.base, quantity),
             )
             found.append(next(float(value) for value in candidates if value is not None))
-        return Tolerance(rtol=found[0], atol=found[1])
+        return Tolerance(rtol=found[0] + self.drift_rtol, atol=found[1])
 
     def for_tensor(self, name: str, kind: str) -> Tolerance:
         """The tensor's tolerance for metrics that no entry names."""
@@ -121,6 +125,7 @@ class ToleranceRules:
             "rtol": _level_json(self.rtol),
             "atol": _level_json(self.atol),
             "tolerances": [[key, _entry_json(values)] for key, values in self.per_tensor.items()],
+            "drift_rtol": float(self.drift_rtol),
         }
 
     @classmethod
@@ -151,6 +156,7 @@ class ToleranceRules:
             atol=level(data.get("atol")),
             per_tensor={str(key): entry(values) for key, values in data.get("tolerances") or []},
             base_metrics={str(m): entry(values) for m, values in (data.get("base_metrics") or {}).items()},
+            drift_rtol=float(restored_float(data.get("drift_rtol", 0.0))),
         )
 
 

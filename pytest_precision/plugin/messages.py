@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from pytest_precision.base.records import Record
+from pytest_precision.gate.drift import DriftAllowance
 from pytest_precision.gate.tolerance import Violation
 from pytest_precision.reports.tables import format_number, render
 
@@ -136,6 +137,24 @@ def violation_table(violations: Sequence[Violation], *, full_list: str = FULL_LI
     if any(left_out for _, left_out in shown):
         lines.append(f"  ({sum(left_out for _, left_out in shown)} row(s) not shown; {full_list})")
     return lines
+
+
+def drift_note(differences: Sequence[str], allowance: DriftAllowance | None) -> str:
+    """The lines a regression message ends with when the environment differs from the baseline's: what differs,
+    and the drift rule that widened the tolerances, or how to set one ("" when nothing differs)."""
+    if not differences and allowance is None:
+        return ""
+    lines = []
+    if differences:
+        lines.append(f"The environment differs from the baseline's (numbers may move): {'; '.join(differences)}.")
+    if allowance is not None:
+        lines.append(f"Environment drift: {allowance.describe()}, and the error still exceeds them.")
+    else:
+        lines.append(
+            "If the difference explains it, an environment-drift rule allows for it while it lasts (ini "
+            'precision_drift_rtol = "torch=2.0"), or refresh the baseline in this environment.'
+        )
+    return "\n" + "\n".join(lines)
 
 
 def regression_message(

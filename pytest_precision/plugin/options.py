@@ -25,6 +25,7 @@ OPTION_REPORT = "precision_report"
 OPTION_METRICS = "precision_metrics"
 OPTION_UPDATE_MODE = "precision_update_mode"
 OPTION_FAIL_STALE = "precision_fail_stale"
+OPTION_DRIFT_RTOL = "precision_drift_rtol"
 #: What --update-baselines rewrites: every file whose numbers moved (all), only files whose test fails or
 #: that are missing (failing), only missing files (missing).
 UPDATE_MODES = ("all", "failing", "missing")
@@ -73,6 +74,19 @@ def level_option(config: pytest.Config, name: str) -> Level:
 
     try:
         return parsed_level(str(value), name)
+    except ConfigurationError as error:
+        raise pytest.UsageError(str(error)) from None
+
+
+def drift_rtol_option(config: pytest.Config) -> dict[str, float]:
+    """--precision-drift-rtol / ini precision_drift_rtol: {environment field: extra rtol} (empty: no rules)."""
+    value = option(config, OPTION_DRIFT_RTOL)
+    if value in (None, ""):
+        return {}
+    from pytest_precision.gate.drift import parsed_drift_rtol
+
+    try:
+        return parsed_drift_rtol(str(value), OPTION_DRIFT_RTOL)
     except ConfigurationError as error:
         raise pytest.UsageError(str(error)) from None
 
@@ -184,6 +198,14 @@ def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager
         help="default relative tolerance (0.10); per metric as METRIC=RTOL, e.g. '0.1 max_rel=0.5'",
     )
     group.addoption(
+        "--precision-drift-rtol",
+        default=None,
+        dest=OPTION_DRIFT_RTOL,
+        metavar="RULES",
+        help="environment-drift rules: extra rtol while the baseline's environment differs in a field, e.g. "
+        "'torch=2.0' (fields: torch, transformers, numpy, python, device, cpu_capability, threads, cuda, cudnn)",
+    )
+    group.addoption(
         "--precision-atol",
         default=None,
         dest=OPTION_ATOL,
@@ -240,6 +262,7 @@ def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager
     parser.addini(OPTION_BASELINE_DIR, "like --precision-baseline-dir", default="baselines")
     parser.addini(OPTION_RTOL, "like --precision-rtol", default=None)
     parser.addini(OPTION_ATOL, "like --precision-atol", default=None)
+    parser.addini(OPTION_DRIFT_RTOL, "like --precision-drift-rtol", default=None)
     parser.addini(OPTION_TABLES, "like --precision-tables", type="bool", default=False)
     parser.addini(OPTION_METRICS, "like --precision-metrics (space- or comma-separated)", default=None)
     parser.addini(OPTION_UPDATE_MODE, "like --precision-update-mode (all, failing, missing)", default="all")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections import Counter
@@ -23,6 +24,7 @@ from pytest_precision.plugin.options import (
     OPTION_TABLES,
     OPTION_UPDATE,
     UPDATE_FLAGS,
+    drift_rtol_option,
     is_regular_file,
     level_option,
     metrics_option,
@@ -87,6 +89,8 @@ class PrecisionSession:
     #: The ini / command-line tolerances: (number or None, {metric: number}).
     rtol: Level = field(default_factory=lambda: (None, {}))
     atol: Level = field(default_factory=lambda: (None, {}))
+    #: The environment-drift rules (ini / command line): {environment field: extra rtol}; see gate/drift.py.
+    drift_rtol: dict[str, float] = field(default_factory=dict)
     #: The ini / command-line gated metrics (None: DEFAULT_METRICS).
     metrics: list[str] | None = None
     update_mode: str = "all"
@@ -131,6 +135,7 @@ class PrecisionSession:
             show_tables=truthy(option(config, OPTION_TABLES)),
             rtol=level_option(config, OPTION_RTOL),
             atol=level_option(config, OPTION_ATOL),
+            drift_rtol=drift_rtol_option(config),
             metrics=metrics_option(config),
             update_mode=update_mode(config),
             fail_stale=truthy(option(config, OPTION_FAIL_STALE)),
@@ -243,6 +248,7 @@ class PrecisionSession:
         """(outcome, failure message or None) of one check."""
         from pytest_precision.gate import baseline as baselines
         from pytest_precision.gate.checks import check_against_baseline, check_carried, check_limits, undefined_metrics
+        from pytest_precision.gate.drift import drift_allowance
         from pytest_precision.gate.tolerance import DEFAULT_METRICS, validated_metrics
         from pytest_precision.gate.tolerance_rules import ToleranceRules
         from pytest_precision.plugin import messages
@@ -331,7 +337,15 @@ class PrecisionSession:
             if self.update and self.update_mode == "failing":
                 return update()  # a corrupt or old file fails its test: rewrite it
             raise
-        self._note_drift(shown, loaded.data.get("environment") or {}, report)
+        recorded = loaded.data.get("environment") or {}
+        differences = self._note_drift(shown, recorded, report)
+        allowance = drift_allowance(self.drift_rtol, recorded, environment(report.device, {}, report.distributed))
+        if allowance is not None:
+            rules = dataclasses.replace(rules, drift_rtol=allowance.rtol)
+            self.tests[item.nodeid]["gate"] = {**rules.to_dict(), "metrics": gated_metrics}
+            noted = self.drift.setdefault(os.fspath(shown), [])
+            if allowance.describe() not in noted:
+                noted.append(allowance.describe())
         result = check_against_baseline(loaded.records(), obtained, rules, gated_metrics)
         if result.worst_ratio is not None:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
@@ -349,6 +363,7 @@ class PrecisionSession:
                     getattr(report, "nonfinite_origin", {}),
                     full_list=full_list,
                 )
+                + messages.drift_note(differences, allowance)
             )
         if limit_violations:
             limit_list = self._full_list_hint(item.nodeid, None, rows)
@@ -375,8 +390,9 @@ class PrecisionSession:
             plot = self._shown(plot_path(self.report_dir, nodeid))
         return messages.full_list_hint(report_dir, baseline, rows, plot)
 
-    def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> None:
-        """Remember, once per file, which environment fields differ from the baseline's (never a failure)."""
+    def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> list[str]:
+        """Remember, once per file, which environment fields differ from the baseline's (never a failure by
+        itself); return them."""
         from pytest_precision.reports.environment import environment
 
         current = environment(report.device, {}, report.distributed)
@@ -388,7 +404,8 @@ class PrecisionSession:
             if then != current.get(name):
                 differences.append(f"{name}: {then!r} in the baseline, {current.get(name)!r} now")
         if differences:
-            self.drift.setdefault(os.fspath(shown), differences)
+            self.drift.setdefault(os.fspath(shown), list(differences))
+        return differences
 
     def recorded_loss_scales(self, item: pytest.Item, stem: str | None, device: str) -> dict[str, float]:
         """{variant: loss scale} recorded in the test's baseline file; empty when there is none to read

@@ -14,11 +14,15 @@ from pytest_precision.base.errors import ConfigurationError, PrecisionError
 from pytest_precision.cli.run import DEFAULT_VARIANTS, RunOptions, chosen_variants
 from pytest_precision.cli.variants_file import FILE_FIELDS, NAME_PATTERN, _toml_module, load_variants_file
 from pytest_precision.engine.arrangements import BUILTIN_ARRANGEMENTS
+from pytest_precision.engine.backend_flags import has_fp32_precision_settings
 from pytest_precision.engine.variants import BUILTIN_VARIANTS, HEAD_MODULE, Variant
 
 needs_toml = pytest.mark.skipif(_toml_module() is None, reason="reading TOML needs Python 3.11+ or tomli")
 
 REDUCED_BF16 = "cuda.matmul.allow_bf16_reduced_precision_reduction"
+#: torch >= 2.9 has string-valued backend flags (fp32_precision); older torch has none.
+NEW_API = has_fp32_precision_settings()
+new_api_only = pytest.mark.skipif(not NEW_API, reason="torch < 2.9 has no fp32_precision backend flags")
 
 # One file's content, as JSON entries and as the equivalent TOML (no null in TOML: attn_implementation is left out
 # where the JSON would give null).
@@ -170,7 +174,9 @@ def test_every_arrangement_and_matmul_precision_loads(tmp_path: Path) -> None:
 
 def test_backend_flags_of_each_type_are_kept(tmp_path: Path) -> None:
     """Backend flags given a value of their current type are kept as given (bool and str flags alike)."""
-    backend = {REDUCED_BF16: False, "cuda.matmul.fp32_precision": "ieee", "cudnn.allow_tf32": True}
+    backend: dict[str, Any] = {REDUCED_BF16: False, "cudnn.allow_tf32": True}
+    if NEW_API:
+        backend["cuda.matmul.fp32_precision"] = "ieee"
     (variant,) = load_variants_file(write(tmp_path, "v.json", [{"name": "x", "backend": backend}]))
     assert variant.backend == backend
     assert variant == Variant("x", backend=backend)
@@ -379,7 +385,13 @@ BAD_FILES: dict[str, Bad] = {
 }
 
 
-@pytest.mark.parametrize("case", [pytest.param(bad, id=key) for key, bad in BAD_FILES.items()])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(bad, id=key, marks=[new_api_only] if "fp32_precision" in repr(bad.content) else [])
+        for key, bad in BAD_FILES.items()
+    ],
+)
 def test_bad_file_is_a_configuration_error_naming_file_and_entry(tmp_path: Path, case: Bad) -> None:
     """Every bad file is a ConfigurationError that starts with the file (and the entry) and says what is wrong."""
     if case.file_name.endswith(".toml") and _toml_module() is None:
@@ -516,6 +528,20 @@ def test_names_that_differ_only_in_case_are_one_name(tmp_path: Path) -> None:
         chosen_variants(RunOptions(directory=Path("x"), variants="bf16", variants_file=path))
 
 
+@pytest.mark.skipif(NEW_API, reason="torch >= 2.9 has the fp32_precision flags")
+def test_an_fp32_precision_flag_on_old_torch_names_the_version(tmp_path: Path) -> None:
+    import torch
+
+    path = write(tmp_path, "v.json", [{"name": "x", "backend": {"cuda.matmul.fp32_precision": "tf32"}}])
+    with pytest.raises(ConfigurationError) as info:
+        load_variants_file(path)
+    message = str(info.value)
+    assert message.startswith(f"--variants-file {path}, variant 1 ('x'): ")
+    assert "'cuda.matmul.fp32_precision' needs torch >= 2.9" in message
+    assert f"this is torch {torch.__version__}" in message
+
+
+@new_api_only
 def test_a_backend_value_torch_refuses_fails_before_any_run(tmp_path: Path) -> None:
     """A string flag with an unknown setting passes the type check; setting it, as the run would, refuses it
     now, naming the variant."""

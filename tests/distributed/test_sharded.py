@@ -32,9 +32,14 @@ import pytest_precision.distributed.ranks as distributed_module
 from conftest import tiny_llama
 from pytest_precision import PrecisionReport, RankFailure, Variant, compare, sharded
 from pytest_precision.base.records import Record
+from pytest_precision.base.torch_version import torch_version
+from pytest_precision.distributed.sharding import FSDP_ON_CPU_SINCE
 from pytest_precision.engine import variant_pass
 
 pytestmark = pytest.mark.precision_distributed(world_size=2)
+
+#: FSDP2 runs on the CPU from torch 2.7; on older torch the run refuses it (see the refusal test below).
+fsdp_on_cpu = pytest.mark.skipif(torch_version() < FSDP_ON_CPU_SINCE, reason="FSDP2 runs on the CPU from torch 2.7")
 
 IDENTITY = ("name", "kind", "shape", "count", "nonfinite")
 FLOATS = [f.name for f in dataclasses.fields(Record) if f.name not in (*IDENTITY, "spread")]
@@ -105,6 +110,7 @@ def test_an_unsharded_model_gets_its_gradients_averaged_over_the_ranks_as_ddp_do
     assert split.get("bf16", "loss", "loss").count == 2  # each rank's loss
 
 
+@fsdp_on_cpu
 def test_fsdp2_gradients_match_one_process_within_what_the_reduction_changes() -> None:
     model = tiny_llama(layers=2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
@@ -131,6 +137,7 @@ def test_fsdp2_gradients_match_one_process_within_what_the_reduction_changes() -
     assert_same_numbers(dataclasses.replace(split), whole, rel=1e-5, skip=("grad", "bw", "loss", "logprob"))
 
 
+@fsdp_on_cpu
 def test_bf16_gradient_reduction_costs_more_than_fp32_reduction() -> None:
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -188,6 +195,14 @@ def test_a_reference_not_finite_on_one_rank_fails_every_rank() -> None:
         compare(model, {"input_ids": ids, "labels": ids}, ["bf16"], backward=False)
 
 
+@pytest.mark.skipif(torch_version() >= FSDP_ON_CPU_SINCE, reason="this torch runs FSDP2 on the CPU")
+def test_fsdp2_on_the_cpu_is_refused_before_torch_2_7_naming_the_version() -> None:
+    model = tiny_llama(layers=2)
+    ids = token_batch(rows=2)
+    with pytest.raises(RankFailure, match=r"FSDP2 \(fully_shard\) runs on the CPU from torch 2\.7; this is torch 2\."):
+        compare(sharded(model, fsdp_per_layer), {"input_ids": ids, "labels": ids}, ["bf16"])
+
+
 def test_an_error_on_one_rank_is_raised_on_every_rank_with_its_message() -> None:
     def refuse_on_rank_1(model: torch.nn.Module) -> torch.nn.Module:
         if dist.get_rank() == 1:
@@ -200,6 +215,7 @@ def test_an_error_on_one_rank_is_raised_on_every_rank_with_its_message() -> None
         compare(rowwise_lm(), {"input_ids": ids, "labels": ids}, ["bf16", variant])
 
 
+@fsdp_on_cpu
 @pytest.mark.precision_distributed(world_size=4)
 def test_fsdp2_over_tensor_parallel_on_a_2x2_mesh_gives_one_process_numbers() -> None:
     from torch.distributed.device_mesh import init_device_mesh

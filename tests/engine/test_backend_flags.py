@@ -1,4 +1,9 @@
-"""pinned_backend: what each variant sets, and that the user's settings come back, also after an error."""
+"""pinned_backend: what each variant sets, and that the user's settings come back, also after an error.
+
+torch >= 2.9 pins the per-backend `fp32_precision` settings; torch 2.6 to 2.8 the process-wide float32 matmul
+precision and cuDNN's `allow_tf32`. Tests of one generation skip on the other; the rest hold on both. Every
+setting is read here through torch's public API, independently of the module under test.
+"""
 
 from __future__ import annotations
 
@@ -8,46 +13,69 @@ import pytest
 import torch
 
 from pytest_precision.base.errors import ConfigurationError
-from pytest_precision.engine.backend_flags import PINNED_FLAGS, FlagSetting, pinned_backend, snapshot_backend_state
+from pytest_precision.engine.backend_flags import (
+    FP32_PRECISION_SINCE,
+    PINNED_FLAGS,
+    FlagSetting,
+    has_fp32_precision_settings,
+    pinned_backend,
+    snapshot_backend_state,
+)
 from pytest_precision.engine.variants import BUILTIN_VARIANTS, Variant
 
 BF16_RR = "cuda.matmul.allow_bf16_reduced_precision_reduction"
 FP16_RR = "cuda.matmul.allow_fp16_reduced_precision_reduction"
-PRECISION_KEYS = [
-    (backend, op)
-    for backend, op in [("generic", "all"), ("cuda", "all"), ("mkldnn", "all")]
-    + [(b, op) for b in ("cuda", "mkldnn") for op in ("matmul", "conv", "rnn")]
-]
+NEW_API = has_fp32_precision_settings()
+new_api_only = pytest.mark.skipif(not NEW_API, reason="torch < 2.9 has no per-backend fp32_precision settings")
+legacy_only = pytest.mark.skipif(NEW_API, reason="torch >= 2.9 pins the per-backend fp32_precision settings")
+
+# Public torch.backends objects holding an fp32_precision (torch >= 2.9), parents before children. The
+# mkldnn parent is left out: its public setter sets the generic one.
+PRECISION_OWNERS = (
+    ("generic", lambda: torch.backends),
+    ("cuda.all", lambda: torch.backends.cudnn),
+    ("cuda.matmul", lambda: torch.backends.cuda.matmul),
+    ("cuda.conv", lambda: torch.backends.cudnn.conv),
+    ("cuda.rnn", lambda: torch.backends.cudnn.rnn),
+    ("mkldnn.matmul", lambda: torch.backends.mkldnn.matmul),
+    ("mkldnn.conv", lambda: torch.backends.mkldnn.conv),
+    ("mkldnn.rnn", lambda: torch.backends.mkldnn.rnn),
+)
 
 
-def fp32_precision(backend: str, op: str) -> str:
-    return torch._C._get_fp32_precision_getter(backend, op)  # type: ignore[no-any-return]
+def precisions() -> dict[str, str]:
+    return {name: owner().fp32_precision for name, owner in PRECISION_OWNERS}  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
 def restore_torch_backend() -> Iterator[None]:
     """These tests change the process-wide settings on purpose: put them back whatever happens."""
-    precisions = [(b, op, fp32_precision(b, op)) for b, op in PRECISION_KEYS]
+    saved = precisions() if NEW_API else {}
+    legacy = None if NEW_API else (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
     flags = {path: getattr(torch.backends.cuda.matmul, path.rsplit(".", 1)[1]) for path in (BF16_RR, FP16_RR)}
     yield
-    for backend, op, value in precisions:
-        torch._C._set_fp32_precision_setter(backend, op, value)
+    for name, owner in PRECISION_OWNERS if NEW_API else ():
+        owner().fp32_precision = saved[name]  # type: ignore[attr-defined]
+    if legacy is not None:
+        torch.set_float32_matmul_precision(legacy[0])
+        torch.backends.cudnn.allow_tf32 = legacy[1]
     for path, value in flags.items():
         setattr(torch.backends.cuda.matmul, path.rsplit(".", 1)[1], value)
 
 
 def current() -> dict[str, object]:
     """The settings read through torch's public attributes (independent of snapshot_backend_state)."""
-    return {
-        "cuda.matmul": torch.backends.cuda.matmul.fp32_precision,
-        "mkldnn.matmul": torch.backends.mkldnn.matmul.fp32_precision,
-        "mkldnn.conv": torch.backends.mkldnn.conv.fp32_precision,
-        "mkldnn.rnn": torch.backends.mkldnn.rnn.fp32_precision,
-        "cuda.conv": torch.backends.cudnn.conv.fp32_precision,
-        "cuda.rnn": torch.backends.cudnn.rnn.fp32_precision,
+    state: dict[str, object] = {
         BF16_RR: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         FP16_RR: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
     }
+    if NEW_API:
+        state.update(precisions())
+    else:
+        state["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+        state["cuda.matmul.allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+        state["cudnn.allow_tf32"] = torch.backends.cudnn.allow_tf32
+    return state
 
 
 def by_path(settings: list[FlagSetting]) -> dict[str, dict[str, object]]:
@@ -57,12 +85,20 @@ def by_path(settings: list[FlagSetting]) -> dict[str, dict[str, object]]:
 
 def unusual_user_state() -> None:
     """Settings unlike both the defaults and anything a run pins."""
-    torch._C._set_fp32_precision_setter("mkldnn", "matmul", "bf16")
-    torch._C._set_fp32_precision_setter("cuda", "matmul", "tf32")
+    if NEW_API:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+    else:
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
 
 
+# --- torch >= 2.9: the per-backend fp32_precision settings ------------------------------------------------------
+
+
+@new_api_only
 @pytest.mark.parametrize(
     ("name", "cuda", "mkldnn"),
     [("fp32", "ieee", "ieee"), ("bf16", "ieee", "ieee"), ("tf32", "tf32", "tf32")],
@@ -80,13 +116,119 @@ def test_matmul_precision_is_pinned(name: str, cuda: str, mkldnn: str) -> None:
     table = by_path(settings)
     assert table["mkldnn.matmul.fp32_precision"] == {"value": mkldnn, "effective": True}
     assert table["cuda.matmul.fp32_precision"] == {"value": cuda, "effective": False}
+    assert table["cuda.conv.fp32_precision"] == {"value": cuda, "effective": False}
 
 
+@new_api_only
 def test_medium_precision() -> None:
     with pinned_backend(Variant("m", matmul_precision="medium"), "cpu"):
         inside = current()
     assert inside["mkldnn.matmul"] == "bf16"
     assert inside["cuda.matmul"] == "tf32"
+
+
+@new_api_only
+@pytest.mark.parametrize(
+    "setup",
+    [
+        lambda: None,
+        unusual_user_state,
+        lambda: setattr(torch.backends.cudnn, "fp32_precision", "tf32"),
+        lambda: setattr(torch.backends, "fp32_precision", "ieee"),
+    ],
+    ids=["default", "unusual", "cuda-all-tf32", "generic-ieee"],
+)
+def test_every_fp32_precision_restored(setup: object) -> None:
+    setup()  # type: ignore[operator]
+    before = precisions()
+    for name in ("tf32", "fp32"):
+        with pinned_backend(BUILTIN_VARIANTS[name], "cpu"):
+            pass
+        assert precisions() == before
+
+
+@new_api_only
+def test_variant_backend_overrides_pinned_precision() -> None:
+    variant = Variant("v", matmul_precision="highest", backend={"mkldnn.matmul.fp32_precision": "tf32"})
+    with pinned_backend(variant, "cpu") as settings:
+        assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"
+    assert by_path(settings)["mkldnn.matmul.fp32_precision"]["value"] == "tf32"
+
+
+@new_api_only
+def test_restored_when_a_flag_cannot_be_set() -> None:
+    unusual_user_state()
+    before = snapshot_backend_state()
+    before_public = current()
+    variant = Variant("bad", backend={"mkldnn.matmul.fp32_precision": "not-a-precision"})
+    with pytest.raises(RuntimeError), pinned_backend(variant, "cpu"):
+        pytest.fail("the body must not run")
+    assert snapshot_backend_state() == before
+    assert current() == before_public
+
+
+@new_api_only
+def test_snapshot_reads_current_values() -> None:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.mkldnn.matmul.fp32_precision = "tf32"
+    state = snapshot_backend_state()
+    assert state[BF16_RR] is False
+    assert state["precision:mkldnn.matmul.fp32_precision"] == "tf32"
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
+    assert snapshot_backend_state()[BF16_RR] is True
+
+
+# --- torch 2.6 to 2.8: the process-wide float32 matmul precision and cuDNN's allow_tf32 -------------------------
+
+
+@legacy_only
+@pytest.mark.parametrize(
+    ("name", "matmul", "tf32"), [("fp32", "highest", False), ("bf16", "highest", False), ("tf32", "high", True)]
+)
+def test_legacy_matmul_precision_is_pinned(name: str, matmul: str, tf32: bool) -> None:
+    """`tf32` means TF32 on old torch too: cuBLAS matmuls and cuDNN convolutions both allow it."""
+    unusual_user_state()
+    with pinned_backend(BUILTIN_VARIANTS[name], "cpu") as settings:
+        inside = current()
+    assert inside["float32_matmul_precision"] == matmul
+    assert inside["cuda.matmul.allow_tf32"] is tf32
+    assert inside["cudnn.allow_tf32"] is tf32
+    assert inside[BF16_RR] is False
+    table = by_path(settings)
+    assert table["float32_matmul_precision"] == {"value": matmul, "effective": True}
+    assert table["cudnn.allow_tf32"] == {"value": tf32, "effective": False}
+
+
+@legacy_only
+def test_legacy_medium_precision() -> None:
+    with pinned_backend(Variant("m", matmul_precision="medium"), "cuda") as settings:
+        assert torch.get_float32_matmul_precision() == "medium"
+        assert torch.backends.cudnn.allow_tf32 is True
+    assert by_path(settings)["cudnn.allow_tf32"] == {"value": True, "effective": True}
+
+
+@legacy_only
+def test_fp32_precision_flag_is_refused_naming_the_version() -> None:
+    before = current()
+    variant = Variant("v", backend={"cuda.matmul.fp32_precision": "tf32"})
+    with pytest.raises(ConfigurationError) as info, pinned_backend(variant, "cpu"):
+        pytest.fail("the body must not run")
+    since = ".".join(map(str, FP32_PRECISION_SINCE))
+    assert f"'cuda.matmul.fp32_precision' needs torch >= {since}" in str(info.value)
+    assert torch.__version__ in str(info.value)
+    assert current() == before
+
+
+@legacy_only
+def test_legacy_restored_when_a_flag_cannot_be_set() -> None:
+    unusual_user_state()
+    before = current()
+    with pytest.raises(RuntimeError), pinned_backend(Variant("bad", backend={"cudnn.allow_tf32": "yes"}), "cpu"):
+        pytest.fail("the body must not run")
+    assert current() == before
+
+
+# --- both generations --------------------------------------------------------------------------------------------
 
 
 def test_reduced_reduction_variant_sets_flag() -> None:
@@ -117,25 +259,6 @@ def test_everything_restored(name: str) -> None:
     assert snapshot_backend_state() == before_snapshot
 
 
-@pytest.mark.parametrize(
-    "setup",
-    [
-        lambda: None,
-        unusual_user_state,
-        lambda: torch._C._set_fp32_precision_setter("mkldnn", "all", "tf32"),
-        lambda: torch._C._set_fp32_precision_setter("generic", "all", "ieee"),
-    ],
-    ids=["default", "unusual", "mkldnn-all-tf32", "generic-ieee"],
-)
-def test_every_fp32_precision_restored(setup: object) -> None:
-    setup()  # type: ignore[operator]
-    before = {(b, op): fp32_precision(b, op) for b, op in PRECISION_KEYS}
-    for name in ("tf32", "fp32"):
-        with pinned_backend(BUILTIN_VARIANTS[name], "cpu"):
-            pass
-        assert {(b, op): fp32_precision(b, op) for b, op in PRECISION_KEYS} == before
-
-
 def test_restored_when_body_raises() -> None:
     unusual_user_state()
     before = snapshot_backend_state()
@@ -147,30 +270,13 @@ def test_restored_when_body_raises() -> None:
     assert current() == before_public
 
 
-def test_restored_when_a_flag_cannot_be_set() -> None:
-    unusual_user_state()
-    before = snapshot_backend_state()
-    before_public = current()
-    variant = Variant("bad", backend={"mkldnn.matmul.fp32_precision": "not-a-precision"})
-    with pytest.raises(RuntimeError), pinned_backend(variant, "cpu"):
-        pytest.fail("the body must not run")
-    assert snapshot_backend_state() == before
-    assert current() == before_public
-
-
-def test_variant_backend_overrides_pinned_precision() -> None:
-    variant = Variant("v", matmul_precision="highest", backend={"mkldnn.matmul.fp32_precision": "tf32"})
-    with pinned_backend(variant, "cpu") as settings:
-        assert torch.backends.mkldnn.matmul.fp32_precision == "tf32"
-    assert by_path(settings)["mkldnn.matmul.fp32_precision"]["value"] == "tf32"
-
-
 @pytest.mark.parametrize("path", ["cuda.matmul.no_such_flag", "nosuchbackend.flag", "mkldnn.nope"])
 def test_unknown_flag_path(path: str) -> None:
     before = snapshot_backend_state()
     with pytest.raises(ConfigurationError) as info, pinned_backend(Variant("v", backend={path: True}), "cpu"):
         pytest.fail("the body must not run")
     assert repr(path) in str(info.value)
+    assert "is not an attribute of torch.backends" in str(info.value)
     assert snapshot_backend_state() == before
 
 
@@ -183,18 +289,19 @@ def test_effective_per_device() -> None:
     cuda = by_path(on_cuda)
     assert set(cpu) == set(cuda)
     for path in cpu:
-        if path.startswith("cuda."):
+        if path.startswith(("cuda.", "cudnn.")):
             assert cpu[path]["effective"] is False and cuda[path]["effective"] is True, path
         elif path.startswith("mkldnn."):
             assert cpu[path]["effective"] is True and cuda[path]["effective"] is False, path
-    assert {BF16_RR, FP16_RR, "cuda.matmul.fp32_precision", "mkldnn.matmul.fp32_precision"} <= set(cpu)
+        else:
+            assert cpu[path]["effective"] is True and cuda[path]["effective"] is True, path
+    assert {BF16_RR, FP16_RR} <= set(cpu)
+    precision_keys = {"cuda.matmul.fp32_precision", "mkldnn.matmul.fp32_precision"}
+    assert precision_keys <= set(cpu) if NEW_API else {"float32_matmul_precision", "cudnn.allow_tf32"} <= set(cpu)
 
 
-def test_snapshot_reads_current_values() -> None:
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
-    torch._C._set_fp32_precision_setter("mkldnn", "matmul", "tf32")
-    state = snapshot_backend_state()
-    assert state[BF16_RR] is False
-    assert state["fp32:mkldnn.matmul"] == "tf32"
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    assert snapshot_backend_state()[BF16_RR] is True
+def test_generation_matches_the_torch_version() -> None:
+    """The choice of API follows the version torch reports, and the new API is there exactly when chosen."""
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    assert ((major, minor) >= FP32_PRECISION_SINCE) == NEW_API
+    assert hasattr(torch.backends.cuda.matmul, "fp32_precision") == NEW_API

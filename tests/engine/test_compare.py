@@ -16,7 +16,15 @@ import torch
 from torch import nn
 
 import pytest_precision
-from conftest import load_tiny_llama, random_tokens, tiny_gpt2, tiny_llama, tiny_qwen2
+from conftest import (
+    cpu_matmul_precision,
+    load_tiny_llama,
+    random_tokens,
+    set_cpu_matmul_precision,
+    tiny_gpt2,
+    tiny_llama,
+    tiny_qwen2,
+)
 from pytest_precision.base.errors import ConfigurationError, ModelRunError
 from pytest_precision.base.records import Record
 from pytest_precision.engine.backend_flags import snapshot_backend_state
@@ -321,7 +329,9 @@ def test_dropout_model_in_train_mode() -> None:
 
 
 class NoisyNet(nn.Module):
-    """Draws random numbers in every forward, in eval mode too."""
+    """Draws random numbers in every forward, in eval mode too: in fp32, then cast, so that a bf16 run draws the
+    same numbers as the fp32 one (torch's bf16 normal sampler on the CPU takes another path from fp32's on
+    some versions, 2.6 among them: the same seed gives other numbers)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -331,7 +341,7 @@ class NoisyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
-        return self.b(h + torch.randn_like(h))
+        return self.b(h + torch.randn(h.shape, dtype=torch.float32).to(h.dtype))
 
 
 def test_every_run_starts_from_the_same_seed() -> None:
@@ -340,6 +350,23 @@ def test_every_run_starts_from_the_same_seed() -> None:
     report = compare(NoisyNet(), x, ["fp32", "bf16"], loss_fn=lambda output, _inputs: output.sum())
     assert all(r.rms_abs == 0 for r in report.records("fp32"))
     assert report.get("bf16", "b").rms_rel < 0.02  # the same noise in both runs, not fresh noise
+
+
+class NoisyInItsDtype(NoisyNet):
+    """Draws noise in the run's own dtype (a bf16 run draws bf16 noise)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h + torch.randn_like(h))
+
+
+def test_runs_of_the_same_dtype_draw_the_same_numbers() -> None:
+    """Two bf16 runs draw identical bf16 noise on every torch version: each run starts from the same seed."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    again = Variant("bf16_again", dtype="bfloat16")
+    report = compare(NoisyInItsDtype(), x, ["bf16", again], loss_fn=lambda output, _inputs: output.sum())
+    assert report.records("bf16") == report.records("bf16_again")
+    assert report.get("bf16", "b").rms_abs > 0
 
 
 class InPlaceNet(nn.Module):
@@ -523,13 +550,13 @@ def restore_global_state() -> Iterator[None]:
     python_rng = random.getstate()
     numpy_rng = np.random.get_state()
     bf16_rr = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    mkldnn = torch._C._get_fp32_precision_getter("mkldnn", "matmul")
+    mkldnn = cpu_matmul_precision()
     yield
     torch.set_rng_state(torch_rng)
     random.setstate(python_rng)
     np.random.set_state(numpy_rng)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = bf16_rr
-    torch._C._set_fp32_precision_setter("mkldnn", "matmul", mkldnn)
+    set_cpu_matmul_precision(mkldnn)
 
 
 def prepared_user_model() -> nn.Module:
@@ -545,7 +572,7 @@ def prepared_user_model() -> nn.Module:
     random.seed(5)
     np.random.seed(7)
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
-    torch._C._set_fp32_precision_setter("mkldnn", "matmul", "tf32")
+    set_cpu_matmul_precision("tf32")
     return model
 
 

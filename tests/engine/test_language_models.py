@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_gpt2, tiny_llama, tiny_qwen2
+from conftest import cpu_matmul_precision, tiny_gpt2, tiny_llama, tiny_qwen2
 from pytest_precision import Reference, compare, reference
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.engine.backend_flags import snapshot_backend_state
@@ -307,7 +307,7 @@ def test_backend_flags_apply_only_inside_the_variant_run():
     seen: dict[str, object] = {}
 
     def record_flags(model):
-        seen["mkldnn"] = torch.backends.mkldnn.matmul.fp32_precision
+        seen["mkldnn"] = cpu_matmul_precision()
         seen["bf16_reduction"] = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
         return model
 

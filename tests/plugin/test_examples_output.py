@@ -1,7 +1,11 @@
 """The repository's own examples, run as the README's first command runs them (plus -s, which shows the
 trainer-vs-sampler example's printed tables): they pass with nothing to fix (no improved baseline, no
 environment drift, no stale file, no warning), and the README's and docs' tables marked as their output are
-what they print, digit for digit."""
+what they print, digit for digit.
+
+On a torch other than the one the baselines were recorded on (CI's oldest and newest runs), the numbers move:
+the examples still pass, through the environment-drift rule in pyproject.toml, and the only lines to fix are
+the drift notes naming the torch version and the improvements it brings; the docs' tables are not compared."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pytest_precision.reports.environment import DRIFT_FIELDS
 
@@ -23,6 +28,24 @@ MARK = "<!-- printed by `pytest examples --precision-tables -s`"
 #: Summary lines that ask the user to do something about the project's own examples.
 TO_FIX = re.compile(
     r"^(precision (improved|environment differs|stale|error)|.*\bwarnings? summary\b|.*\d+ warnings?\b)"
+)
+
+
+def recorded_torch() -> str:
+    """The torch the committed example baselines were recorded on (one for all of them)."""
+    versions = {
+        json.loads(path.read_text(encoding="utf-8"))["environment"]["torch"]
+        for path in (ROOT / "baselines" / "examples").rglob("*.json")
+    }
+    assert len(versions) == 1, f"the example baselines were recorded on several torch versions: {versions}"
+    return versions.pop()
+
+
+#: Whether this torch is the one the example baselines hold numbers of.
+SAME_TORCH = recorded_torch() == torch.__version__
+DRIFT_LINE = re.compile(
+    r"^precision environment differs from \S+ \(numbers may move\): torch: '[^']+' in the baseline, '[^']+' now; "
+    r"tolerances widened by rtol \+2 \(precision_drift_rtol\) for torch: '[^']+' in the baseline, '[^']+' now$"
 )
 
 
@@ -54,10 +77,14 @@ def examples_output() -> subprocess.CompletedProcess[str]:
 def test_the_examples_pass_with_nothing_to_fix(examples_output: subprocess.CompletedProcess[str]) -> None:
     lines = examples_output.stdout.splitlines()
     assert examples_output.returncode == 0, examples_output.stdout[-5000:] + examples_output.stderr[-3000:]
-    assert [line for line in lines if TO_FIX.match(line)] == []
+    to_fix = [line for line in lines if TO_FIX.match(line)]
+    if not SAME_TORCH:  # on another torch: drift notes naming torch alone, and the improvements it brings
+        to_fix = [line for line in to_fix if not DRIFT_LINE.match(line) and not line.startswith("precision improved")]
+    assert to_fix == []
     assert re.search(r"^precision baselines \(compare, baselines\): \d+ passed$", examples_output.stdout, re.M)
 
 
+@pytest.mark.skipif(not SAME_TORCH, reason=f"the docs' tables were printed on torch {recorded_torch()}")
 def test_the_docs_tables_are_what_the_examples_print(examples_output: subprocess.CompletedProcess[str]) -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     blocks = [block for page in pages for block in marked_blocks(page.read_text(encoding="utf-8"))]

@@ -7,6 +7,7 @@ import json
 import xml.etree.ElementTree as ElementTree
 
 import pytest
+import torch
 from plugin_testing import SIMPLE_TEST, baseline_file, degrade, failure, output, project, run, stale_lines
 
 TWO_TESTS = """
@@ -93,8 +94,71 @@ def test_environment_drift_warns_once_per_file_and_never_fails(pytester, monkeyp
     lines = [line for line in output(result).splitlines() if line.startswith("precision environment differs")]
     assert len(lines) == 1
     assert lines[0].startswith("precision environment differs from baselines/test_gate/test_name.cpu.json")
-    assert "torch: '2.0.0' in the baseline, '2.13" in lines[0]
+    assert f"torch: '2.0.0' in the baseline, {torch.__version__!r} now" in lines[0]
     assert "threads: 64 in the baseline" in lines[0]
+
+
+def baseline_from_another_torch(pytester, factor: float, torch_version: str = "2.0.0") -> None:
+    """Make the recorded baseline look measured on `torch_version` with every rms_rel `factor` times this run's."""
+    path = baseline_file(pytester, "test_gate", "test_name")
+    document = json.loads(path.read_text())
+    document["environment"]["torch"] = torch_version
+    for entry in document["variants"].values():
+        for record in entry["records"]:
+            if isinstance(record.get("rms_rel"), float) and record["rms_rel"] > 0:
+                record["rms_rel"] *= factor
+    path.write_text(json.dumps(document))
+
+
+def test_a_drift_rule_widens_tolerances_only_while_the_environment_differs(pytester, monkeypatch):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    change = f"torch: '2.0.0' in the baseline, {torch.__version__!r} now"
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+    baseline_from_another_torch(pytester, 1 / 1.5)  # this run's error is 1.5x the baseline's
+
+    # No rule: a regression, whose message names the version change and the rule that would allow for it.
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    section = "\n".join(failure(result, "test_name"))
+    assert "precision regressed" in section
+    assert f"The environment differs from the baseline's (numbers may move): {change}." in section
+    assert 'precision_drift_rtol = "torch=2.0"' in section
+
+    # A rule wide enough: passes, and the session says the tolerances were widened and why.
+    result = run(pytester, "-o", "precision_drift_rtol=torch=1.0")
+    result.assert_outcomes(passed=1)
+    (line,) = [line for line in output(result).splitlines() if line.startswith("precision environment differs")]
+    assert line.endswith(f"; tolerances widened by rtol +1 (precision_drift_rtol) for {change}")
+
+    # A rule too narrow for the change: still a failure, which says the rule was applied.
+    result = run(pytester, "--precision-drift-rtol", "torch=0.2 numpy=5")
+    result.assert_outcomes(failed=1)
+    assert "Environment drift: tolerances widened by rtol +0.2 (precision_drift_rtol) for torch" in output(result)
+
+    # The same numbers recorded on this torch: the rule does not apply, the gate is as tight as ever.
+    baseline_from_another_torch(pytester, 1.0, torch_version=torch.__version__)
+    result = run(pytester, "-o", "precision_drift_rtol=torch=1.0")
+    result.assert_outcomes(failed=1)
+    assert "widened" not in output(result)
+    assert "The environment differs" not in output(result)
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ("torch", "'torch' is not FIELD=RTOL"),
+        ("pytorch=1", "'pytorch=1' is not FIELD=RTOL"),
+        ("torch=nan", "the extra rtol must be a finite number >= 0"),
+        ("torch=-1", "the extra rtol must be a finite number >= 0"),
+        ("torch=inf", "the extra rtol must be a finite number >= 0"),
+        ("torch=1,torch=2", "torch is given twice"),
+    ],
+)
+def test_a_bad_drift_rule_is_a_usage_error_naming_the_option(pytester, monkeypatch, value, fragment):
+    project(pytester, monkeypatch, test_gate=SIMPLE_TEST)
+    result = run(pytester, "-o", f"precision_drift_rtol={value}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "precision_drift_rtol: " in output(result) and fragment in output(result)
 
 
 def test_session_report_and_junit_property(pytester, monkeypatch):

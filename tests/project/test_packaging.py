@@ -1,4 +1,5 @@
-"""Packaging metadata: the license, the project URLs, the Python classifiers, the oldest-versions environment."""
+"""Packaging metadata: the license, the project URLs, the Python classifiers, the oldest- and newest-versions
+environments."""
 
 from __future__ import annotations
 
@@ -46,18 +47,23 @@ def declared_minimums(project: dict[str, Any]) -> dict[str, Version]:
     return minimums
 
 
-def oldest_environment() -> configparser.SectionProxy:
+def tox_environment(name: str) -> configparser.SectionProxy:
     tox = configparser.ConfigParser(interpolation=None)
     tox.read(ROOT / "tox.ini")
-    return tox["testenv:oldest"]
+    return tox[f"testenv:{name}"]
 
 
-def oldest_pins() -> dict[str, Version]:
-    """The `name==version` lines of the constraints file that tox's `oldest` environment installs with."""
-    match = re.search(r"-c\s*\{toxinidir\}/(\S+)", oldest_environment()["install_command"])
-    assert match, "the oldest environment installs through a constraints file (-c)"
+def constraints_file(name: str) -> str:
+    """The constraints file (relative to the root) that tox's environment `name` installs with."""
+    match = re.search(r"PIP_CONSTRAINT\s*=\s*\{toxinidir\}/(\S+)", tox_environment(name)["setenv"])
+    assert match, f"the {name} environment installs through a constraints file (PIP_CONSTRAINT)"
+    return match.group(1)
+
+
+def pins(name: str) -> dict[str, Version]:
+    """The `name==version` lines of the constraints file that tox's environment `name` installs with."""
     pins: dict[str, Version] = {}
-    for raw in (ROOT / match.group(1)).read_text().splitlines():
+    for raw in (ROOT / constraints_file(name)).read_text().splitlines():
         line = raw.partition("#")[0].strip()
         if not line:
             continue
@@ -102,9 +108,30 @@ def test_python_classifiers_within_requires_python(project: dict[str, Any]) -> N
 
 
 def test_oldest_environment_pins_exactly_the_declared_minimums(project: dict[str, Any]) -> None:
-    environment = oldest_environment()
+    environment = tox_environment("oldest")
     assert "test" in environment["extras"].split()
-    assert oldest_pins() == declared_minimums(project)
+    assert pins("oldest") == declared_minimums(project)
+
+
+def test_newest_environment_pins_versions_the_declared_range_admits(project: dict[str, Any]) -> None:
+    """Each newest pin is inside its declared range, newer than or equal to its minimum, for the same packages;
+    no requirement has an upper bound, so installing the plugin never downgrades or upgrades a newer torch."""
+    minimums = declared_minimums(project)
+    newest = pins("newest")
+    assert set(newest) == set(minimums)
+    for name, version in newest.items():
+        assert version >= minimums[name], name
+    assert newest["torch"] > minimums["torch"]
+    for line in [*project["dependencies"], *(r for e in PINNED_EXTRAS for r in project["optional-dependencies"][e])]:
+        assert not [s for s in Requirement(line).specifier if s.operator in ("<", "<=", "==", "~=")], line
+
+
+def test_ci_runs_the_suite_on_both_ends_of_the_range() -> None:
+    """.ci/run runs the suite on each environment's constraints file through .ci/suite-on."""
+    script = (ROOT / ".ci" / "run").read_text()
+    for name in ("oldest", "newest"):
+        assert f".ci/suite-on {name} {constraints_file(name)}" in script
+    assert "PIP_CONSTRAINT" in (ROOT / ".ci" / "suite-on").read_text()
 
 
 def test_changelog_has_an_unreleased_section() -> None:
