@@ -33,13 +33,15 @@ def test_trainer_vs_sampler(precision, assert_precision_within, text_batch):
     assert_precision_within(mismatch, baseline="trainer_vs_sampler_mismatch", metrics=["delta_rms", "rms_e_diff"])
     for trainer, sampler in zip(TRAINERS, SAMPLERS, strict=True):
         row = mismatch.get(f"{trainer} vs {sampler}", "logprob", "logprob")
-        if row.delta_rms == 0:
-            # Found on torch 2.6 (CPU): the decode loop is bitwise the full forward here. No mismatch is right
-            # only if the two sides' rows are identical.
-            assert report.records(trainer, "fw") == report.records(sampler, "fw")
-            continue
         # One reference for both sides: no floor, and the mismatch is exactly e_trainer - e_sampler.
         assert row.rms_floor == 0
         assert row.rms_e_diff == pytest.approx(row.delta_rms, rel=1e-12)
-        # The two sides' errors are correlated (the same weights, rounded alike) but far from identical.
+        trainer_error = report.get(trainer, "logprob", "logprob").delta_rms
+        if row.delta_rms < 1e-3 * trainer_error:
+            # Found on torch 2.6 (CPU): the bf16 decode loop reproduces the full bf16 forward up to fp32
+            # rounding (mismatch 2.8e-7 against an error of 1.6e-2): the two sides' errors are one.
+            assert row.rho is not None and row.rho > 0.999
+            continue
+        # torch 2.13 (CPU): the two sides' errors are correlated (the same weights, rounded alike) but far from
+        # identical.
         assert row.rho is not None and 0.3 < row.rho < 0.99

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -65,10 +66,20 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def run(project: Path, *arguments: str, torchrun: int = 0, **environment: str) -> tuple[int, str]:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *arguments]
     if torchrun:
-        command = [os.fspath(TORCHRUN), "--nproc_per_node", str(torchrun), "-m", "pytest", "-p", "no:cacheprovider"]
+        # A port of its own: torchrun's default (29500) may be held by another test's ranks under xdist, and a
+        # rank that cannot bind it waits for its peers until the timeout (seen: a 300 s hang on torch 2.6).
+        command = [os.fspath(TORCHRUN), "--nproc_per_node", str(torchrun), "--master_port", str(free_port())]
+        command += ["-m", "pytest", "-p", "no:cacheprovider"]
         command += list(arguments)
     # The package under test (a mutation check runs a copy of the tree), ahead of any installed one.
     package_root = os.fspath(Path(pytest_precision.__file__).parent.parent)

@@ -193,13 +193,16 @@ def test_bf16_trainer_sampler_mismatch_dwarfs_the_fp32_arrangement_error(trained
     mismatch = trained_report.logprob_mismatch([("bf16", "bf16_decode")])
     record = mismatch.get("bf16 vs bf16_decode", "logprob", "logprob")
     assert fp32_error is not None and record.rms_e_diff is not None
-    if record.rms_e_diff == 0:
-        # Found on torch 2.6 (CPU, AVX2): the trained LM's token-by-token bf16 decode is bitwise its full bf16
-        # forward (torch 2.13's differ). No mismatch is then right only if every row of the two runs is equal.
-        assert trained_report.records("bf16", "fw") == trained_report.records("bf16_decode", "fw")
-        assert trained_report.get("bf16", "logprob", "logprob") == trained_report.get(
-            "bf16_decode", "logprob", "logprob"
-        )
+    bf16_error = trained_report.get("bf16", "logprob", "logprob").delta_rms
+    assert bf16_error is not None
+    if record.rms_e_diff < 1e-3 * bf16_error:
+        # Found on torch 2.6 (CPU): the trained LM's token-by-token bf16 decode reproduces its full bf16 forward
+        # up to fp32 rounding (torch 2.13's differ by about the bf16 error itself). Then every forward row of
+        # the two runs agrees to that rounding.
+        for full, decoded in zip(
+            trained_report.records("bf16", "fw"), trained_report.records("bf16_decode", "fw"), strict=True
+        ):
+            assert decoded.rms_rel == pytest.approx(full.rms_rel, rel=1e-3, abs=1e-6), full.name
         return
     assert record.rms_e_diff > 1000 * fp32_error
     assert record.rms_e_diff > 1e-3

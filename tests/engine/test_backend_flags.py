@@ -305,3 +305,26 @@ def test_generation_matches_the_torch_version() -> None:
     major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
     assert ((major, minor) >= FP32_PRECISION_SINCE) == NEW_API
     assert hasattr(torch.backends.cuda.matmul, "fp32_precision") == NEW_API
+
+
+@pytest.mark.parametrize(("version", "new"), [((2, 6), False), ((2, 8), False), ((2, 9), True), ((3, 0), True)])
+def test_the_fp32_precision_api_is_chosen_from_2_9(
+    monkeypatch: pytest.MonkeyPatch, version: tuple[int, int], new: bool
+) -> None:
+    from pytest_precision.engine import backend_flags
+
+    monkeypatch.setattr(backend_flags, "torch_version", lambda: version)
+    assert backend_flags.has_fp32_precision_settings() is new
+
+
+@pytest.mark.parametrize(
+    ("text", "version"),
+    [("2.6.0+cu124", (2, 6)), ("2.15.0", (2, 15)), ("2.10.0a0+git1234", (2, 10)), ("3.0.1", (3, 0))],
+)
+def test_torch_version_reads_major_and_minor(
+    monkeypatch: pytest.MonkeyPatch, text: str, version: tuple[int, int]
+) -> None:
+    from pytest_precision.base.torch_version import torch_version
+
+    monkeypatch.setattr(torch, "__version__", text)
+    assert torch_version() == version

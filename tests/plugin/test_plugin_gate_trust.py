@@ -329,6 +329,7 @@ def test_summary_holds_each_test_to_the_tolerances_its_gate_used(pytester, monke
         "rtol": 100,
         "atol": None,
         "tolerances": [],
+        "drift_rtol": 0.0,
         "metrics": ["rms_rel"],
     }
     assert gates["test_sum.py::test_per_tensor"]["tolerances"][0] == ["fw", {"rtol": 100}]
