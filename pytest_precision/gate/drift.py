@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_precision.base.errors import ConfigurationError
-from pytest_precision.reports.environment import DRIFT_DEFAULTS
 
 #: The environment fields a drift rule may name: those that move numbers without a change of the user's code.
 DRIFT_RULE_FIELDS = ("torch", "transformers", "numpy", "python", "device", "cpu_capability", "threads", "cuda", "cudnn")
@@ -61,12 +60,12 @@ def drift_allowance(
 ) -> DriftAllowance | None:
     """The allowance the rules grant for a baseline environment `recorded` seen from `current`: the largest
     rule among the fields that differ (None when no ruled field differs). A field the baseline does not hold
-    counts as its DRIFT_DEFAULTS value, or as not differing."""
+    (a file from before it was recorded) counts as not differing."""
     fields = []
     for name, extra in rules.items():
-        if name not in recorded and name not in DRIFT_DEFAULTS:
+        if name not in recorded:
             continue
-        then = recorded.get(name, DRIFT_DEFAULTS.get(name))
+        then = recorded[name]
         if then != current.get(name) and extra > 0:
             fields.append((name, then, current.get(name), extra))
     if not fields:

@@ -319,7 +319,13 @@ def test_the_fp32_precision_api_is_chosen_from_2_9(
 
 @pytest.mark.parametrize(
     ("text", "version"),
-    [("2.6.0+cu124", (2, 6)), ("2.15.0", (2, 15)), ("2.10.0a0+git1234", (2, 10)), ("3.0.1", (3, 0))],
+    [
+        ("2.6.0+cu124", (2, 6)),
+        ("2.6+cpu", (2, 6)),
+        ("2.15.0", (2, 15)),
+        ("2.10.0a0+git1234", (2, 10)),
+        ("3.0.1", (3, 0)),
+    ],
 )
 def test_torch_version_reads_major_and_minor(
     monkeypatch: pytest.MonkeyPatch, text: str, version: tuple[int, int]
