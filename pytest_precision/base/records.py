@@ -37,6 +37,28 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
     "kl_mean": "lower",
     "kl_max": "lower",
     "top1_agreement": "higher",
+    # llama.cpp's KL-divergence statistics of logprob rows (see token_stats.py). The Δp location statistics
+    # are signed (SIGNED_METRICS): their magnitude is gated, a tail toward losing probability as one toward
+    # gaining it.
+    "kl_mean_se": "lower",
+    "kl_median": "lower",
+    "kl_p90": "lower",
+    "kl_p99": "lower",
+    "kl_p999": "lower",
+    "dp_mean": "lower",
+    "dp_mean_se": "lower",
+    "dp_rms": "lower",
+    "dp_rms_se": "lower",
+    "dp_p1": "lower",
+    "dp_p5": "lower",
+    "dp_p95": "lower",
+    "dp_p99": "lower",
+    "dp_min": "lower",
+    "dp_max": "lower",
+    "top1_agreement_se": "lower",
+    "ppl_ratio": "unit",
+    "ppl_ratio_se": "lower",
+    "ln_ppl_corr": "higher",
     # Cross-engine decomposition delta = floor + (e_a - e_b), see cross_engine.py.
     "rho": "higher",
     "rms_e_a": "lower",
@@ -67,6 +89,25 @@ OPTIONAL_METRICS: tuple[str, ...] = (
     "kl_mean",
     "kl_max",
     "top1_agreement",
+    "kl_mean_se",
+    "kl_median",
+    "kl_p90",
+    "kl_p99",
+    "kl_p999",
+    "dp_mean",
+    "dp_mean_se",
+    "dp_rms",
+    "dp_rms_se",
+    "dp_p1",
+    "dp_p5",
+    "dp_p95",
+    "dp_p99",
+    "dp_min",
+    "dp_max",
+    "top1_agreement_se",
+    "ppl_ratio",
+    "ppl_ratio_se",
+    "ln_ppl_corr",
     "rho",
     "rms_e_a",
     "rms_e_b",
@@ -83,7 +124,21 @@ OPTIONAL_METRICS: tuple[str, ...] = (
 DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
 
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
-SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean"})
+SIGNED_METRICS = frozenset(
+    {
+        "bias_abs",
+        "bias_rel",
+        "delta_mean",
+        "seq_delta_mean",
+        "dp_mean",
+        "dp_p1",
+        "dp_p5",
+        "dp_p95",
+        "dp_p99",
+        "dp_min",
+        "dp_max",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -154,6 +209,26 @@ class Record(TensorError):
     kl_mean: float | None = None
     kl_max: float | None = None
     top1_agreement: float | None = None
+    # Logprob rows only: llama.cpp's KL-divergence statistics (token_stats.TokenStats).
+    kl_mean_se: float | None = None
+    kl_median: float | None = None
+    kl_p90: float | None = None
+    kl_p99: float | None = None
+    kl_p999: float | None = None
+    dp_mean: float | None = None
+    dp_mean_se: float | None = None
+    dp_rms: float | None = None
+    dp_rms_se: float | None = None
+    dp_p1: float | None = None
+    dp_p5: float | None = None
+    dp_p95: float | None = None
+    dp_p99: float | None = None
+    dp_min: float | None = None
+    dp_max: float | None = None
+    top1_agreement_se: float | None = None
+    ppl_ratio: float | None = None
+    ppl_ratio_se: float | None = None
+    ln_ppl_corr: float | None = None
     # Cross-engine rows only: the error decomposition against each side's own reference.
     rho: float | None = None
     rms_e_a: float | None = None

@@ -342,9 +342,15 @@ class Runner:
         return localized
 
     def global_sums(
-        self, raw: list[HostSums], distribution: list[float] | None, rows: int
-    ) -> tuple[list[HostSums], list[float] | None, int]:
-        """The exact sums of the whole tensors from every rank's parts (one exchange), identical on every rank."""
+        self,
+        raw: list[HostSums],
+        distribution: list[float] | None,
+        rows: int,
+        vectors: list[list[float]] | None = None,
+    ) -> tuple[list[HostSums], list[float] | None, int, list[list[float]] | None]:
+        """The exact sums of the whole tensors from every rank's parts (one exchange), identical on every rank;
+        with the per-token vectors of every rank's counted positions, joined in rank order (ranks holding the
+        same inputs count once, as for the distribution sums)."""
         keys = [(item.name, item.kind) for item, *_ in raw]
         local = {
             "keys": keys,
@@ -353,6 +359,7 @@ class Runner:
             "log_ratio": [log_ratio for *_, log_ratio in raw],
             "range": [item.range_host for item, *_ in raw],
             "distribution": None if distribution is None else (distribution, rows),
+            "vectors": vectors,
         }
         everyone = distributed.exchange(local)
         for index, other in enumerate(everyone):
@@ -377,13 +384,17 @@ class Runner:
             combined.append((dataclasses.replace(item, shape=shape, range_host=ranges), None, vector, ratio))
         seen: set[str] = set()
         kept: list[tuple[list[float], int]] = []
+        joined: list[list[float]] | None = None
         for sent in everyone:
             if sent["distribution"] is not None and repr(sent["distribution"]) not in seen:
                 seen.add(repr(sent["distribution"]))
                 kept.append(sent["distribution"])
+                if sent["vectors"] is not None:
+                    joined = [[*a, *b] for a, b in zip(joined or [[], [], [], []], sent["vectors"], strict=True)]
         if not kept:
-            return combined, None, 0
-        return combined, add_vectors([values for values, _ in kept], maximum=(1,)), sum(count for _, count in kept)
+            return combined, None, 0, None
+        summed = add_vectors([values for values, _ in kept], maximum=(1,))
+        return combined, summed, sum(count for _, count in kept), joined
 
     def _failure(self, model: nn.Module, variant: Variant, error: Exception, phase: str) -> str:
         """What went wrong in a run: the inputs' keys are blamed only for a TypeError about arguments."""

@@ -22,7 +22,7 @@ from pytest_precision.engine.runner import Runner, compute_dtype
 from pytest_precision.engine.variants import Variant
 from pytest_precision.numbers.logprobs import (
     distribution_from_sums,
-    distribution_sums,
+    distribution_rows,
     log_ratio_from_sums,
     log_ratio_sums,
 )
@@ -35,6 +35,7 @@ from pytest_precision.numbers.metrics import (
     reference_sums,
 )
 from pytest_precision.numbers.range_stats import range_from_sums, range_sums
+from pytest_precision.numbers.token_stats import token_stats
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +126,10 @@ class VariantPass:
         self.scale = scale
         self.exact = exact
         self.pending: list[PendingSums] = []
+        #: Per counted position: KL(p_ref || p_var) and argmax agreement, (2, N) float64 (see distribution_rows).
         self.distribution: torch.Tensor | None = None
+        #: Per counted position: the chosen token's log-probability under the reference and the variant, (2, N).
+        self.token_logprobs: torch.Tensor | None = None
         self.records: list[Record] = []
         self.overflowed = False
         self.needs_exact = False
@@ -154,7 +158,7 @@ class VariantPass:
         positions = runner.positions
         if kind == LOGITS_KIND:
             assert positions.logits_index is not None
-            self.distribution = distribution_sums(
+            self.distribution = distribution_rows(
                 expected, obtained, positions.logits_index, temperature=runner.temperature
             )
             return
@@ -175,6 +179,14 @@ class VariantPass:
             self.logprobs = obtained.to(torch.float64)
             delta = self.logprobs - expected.to(torch.float64)
             log_ratio = log_ratio_sums(delta, positions.valid, clip_eps=runner.clip_eps)
+            assert positions.valid_index is not None
+            index = positions.valid_index.to(self.logprobs.device)  # flat, precomputed: no host sync here
+            self.token_logprobs = torch.stack(
+                [
+                    expected.to(torch.float64).reshape(-1).index_select(0, index),
+                    self.logprobs.reshape(-1).index_select(0, index),
+                ]
+            )
         range_values = None
         if self.range_dtype is not None and kind not in NO_RANGE_KINDS:
             # The values the variant holds: a loss-scaled gradient `scale` times the reference's.
@@ -201,6 +213,8 @@ class VariantPass:
             ]
         if self.distribution is not None:
             device_values.append(self.distribution)
+        if self.token_logprobs is not None:
+            device_values.append(self.token_logprobs)
         host = iter(resolve_pending(device_values))
         raw: list[HostSums] = []
         for item in self.pending:
@@ -210,12 +224,17 @@ class VariantPass:
             if item.range_values is not None:
                 item.range_host = next(host)
                 item.range_values = None
-        distribution = next(host) if self.distribution is not None else None
+        per_row = next(host) if self.distribution is not None else None
+        logprob_rows = next(host) if self.token_logprobs is not None else None
+        vectors = token_vectors(per_row, logprob_rows)
+        distribution = None
+        if vectors is not None:
+            distribution = [math.fsum(vectors[0]), max(vectors[0], default=0.0), math.fsum(vectors[1])]
         rows = self.runner.positions.logits_index
         row_count = 0 if rows is None else int(rows.numel())
         self.pending.clear()
         if self.runner.distributed:
-            raw, distribution, row_count = self.runner.global_sums(raw, distribution, row_count)
+            raw, distribution, row_count, vectors = self.runner.global_sums(raw, distribution, row_count, vectors)
         results: list[tuple[PendingSums, TensorError | None, list[float] | None]] = []
         for item, reference, values, log_ratio in raw:
             error = exact_error(values) if reference is None else fast_error(item.count, reference, values)
@@ -235,7 +254,21 @@ class VariantPass:
                 extra |= dataclasses.asdict(log_ratio_from_sums(log_ratio))
                 if distribution is not None:
                     extra |= dataclasses.asdict(distribution_from_sums(distribution, row_count))
+                if vectors is not None:
+                    import numpy as np
+
+                    arrays = [np.asarray(v, dtype=np.float64) for v in vectors]
+                    extra |= dataclasses.asdict(token_stats(*arrays))
             self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
+
+
+def token_vectors(per_row: list[float] | None, logprob_rows: list[float] | None) -> list[list[float]] | None:
+    """[kl, agree, logp_reference, logp_variant] per counted position, from the host copies of a pass's
+    distribution rows and token log-probabilities (None unless the pass has both, of one length)."""
+    if per_row is None or logprob_rows is None or len(per_row) != len(logprob_rows):
+        return None
+    n = len(per_row) // 2
+    return [per_row[:n], per_row[n:], logprob_rows[:n], logprob_rows[n:]]
 
 
 def exact_if_needed(

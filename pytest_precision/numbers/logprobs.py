@@ -151,14 +151,15 @@ class DistributionStats:
     top1_agreement: float | None
 
 
-def distribution_sums(
+def distribution_rows(
     reference_logits: torch.Tensor, variant_logits: torch.Tensor, rows: torch.Tensor, *, temperature: float = 1.0
 ) -> torch.Tensor:
-    """[sum of KL(p_ref || p_var), max KL, positions whose argmax agrees] over the logits rows `rows` (flat
-    indices into the (batch * seq) rows), in float64, on the device (no host sync).
+    """(2, len(rows)) float64 on the device (no host sync): per logits row in `rows` (flat indices into the
+    (batch * seq) rows), KL(p_ref || p_var) and 1.0 where the two argmaxes agree (else 0.0).
 
     Rows are processed a few at a time (see metrics.chunk_elements) with in-place float64 temporaries, so the
-    pass holds no more than a chunk beyond the two logits tensors.
+    pass holds no more than a chunk of vocabulary-wide values beyond the two logits tensors; what it keeps is
+    two numbers per row (the per-token vectors that percentiles need: 16 bytes a token).
     """
     import torch
 
@@ -169,9 +170,7 @@ def distribution_sums(
     var = variant_logits.reshape(-1, vocab)
     device = ref.device
     rows = rows.to(device)
-    kl_sum = torch.zeros((), dtype=torch.float64, device=device)
-    kl_max = torch.zeros((), dtype=torch.float64, device=device)
-    agree = torch.zeros((), dtype=torch.float64, device=device)
+    result = torch.zeros((2, rows.numel()), dtype=torch.float64, device=device)
     step = max(1, chunk_elements(device) // max(vocab, 1))
     for start in range(0, rows.numel(), step):
         chunk = rows[start : start + step]
@@ -180,14 +179,25 @@ def distribution_sums(
         if temperature != 1:
             log_p /= temperature
             log_q /= temperature
-        agree += (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).sum()
+        result[1, start : start + step] = (log_p.argmax(dim=-1) == log_q.argmax(dim=-1)).to(torch.float64)
         log_p = torch.log_softmax(log_p, dim=-1)
         log_q = torch.log_softmax(log_q, dim=-1)
         difference = log_q.neg_().add_(log_p)  # log p - log q, in log_q's storage
-        kl = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)
-        kl_sum += kl.sum()
-        kl_max = torch.maximum(kl_max, kl.max())
-    return torch.stack([kl_sum, kl_max, agree])
+        result[0, start : start + step] = log_p.exp_().mul_(difference).sum(dim=-1).clamp_min_(0.0)
+    return result
+
+
+def distribution_sums(
+    reference_logits: torch.Tensor, variant_logits: torch.Tensor, rows: torch.Tensor, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """[sum of KL(p_ref || p_var), max KL, positions whose argmax agrees] over the logits rows `rows` (see
+    distribution_rows), in float64, on the device (no host sync)."""
+    import torch
+
+    per_row = distribution_rows(reference_logits, variant_logits, rows, temperature=temperature)
+    zero = per_row.new_zeros(())
+    kl_max = per_row[0].max() if per_row.shape[1] else zero
+    return torch.stack([per_row[0].sum(), kl_max, per_row[1].sum()])
 
 
 def distribution_from_sums(values: Sequence[float], rows: int) -> DistributionStats:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from pytest_precision.base.records import KINDS, METRIC_NAMES, Record, ReportData, RunInfo
 from pytest_precision.numbers.cross_engine import logprob_record
 from pytest_precision.numbers.logprobs import DEFAULT_CLIP_EPS
-from pytest_precision.reports.tables import format_report
+from pytest_precision.reports.tables import format_report, kl_divergence_table
 
 if TYPE_CHECKING:
     from pytest_precision.numbers.cross_engine import LogprobSource
@@ -97,6 +97,11 @@ class PrecisionReport(ReportData):
     def format(self, *, full: bool = True) -> str:
         """The error-propagation summary per variant and, with `full`, every tensor's row."""
         return format_report(self, full=full)
+
+    def format_kl_divergence(self) -> str:
+        """llama.cpp's KL-divergence statistics (perplexity ratio, KLD, Δp, same top p) per variant, in its
+        layout: what quantized models are compared by (see pytest_precision.numbers.token_stats)."""
+        return "\n".join(kl_divergence_table(self))
 
     def __str__(self) -> str:
         return self.format()

@@ -81,6 +81,22 @@ def test_logprob_row_matches_an_independent_computation():
     assert record.kl_max == pytest.approx(kl.max().item(), rel=1e-6)
     assert record.top1_agreement == pytest.approx((p.argmax(-1) == q.argmax(-1)).double().mean().item())
 
+    # llama.cpp's statistics, from the same per-token values in NumPy float64.
+    kl_tokens = kl.reshape(-1).numpy()
+    agree = (p.argmax(-1) == q.argmax(-1)).double().reshape(-1).numpy()
+    n = kl_tokens.size
+    assert record.kl_median == pytest.approx(np.median(kl_tokens), rel=1e-6)
+    assert record.kl_p99 == pytest.approx(np.percentile(kl_tokens, 99), rel=1e-6)
+    assert record.kl_mean_se == pytest.approx(kl_tokens.std() / np.sqrt(n - 1), rel=1e-6)
+    dp = np.exp(variant) - np.exp(reference)  # float64 here, float32 log-probs in the library
+    assert record.dp_mean == pytest.approx(dp.mean(), rel=1e-3, abs=1e-8)
+    assert record.dp_rms == pytest.approx(np.sqrt((dp**2).mean()), rel=1e-3)
+    assert record.dp_min == pytest.approx(dp.min(), rel=1e-3) and record.dp_max == pytest.approx(dp.max(), rel=1e-3)
+    assert record.dp_p5 == pytest.approx(np.percentile(dp, 5), rel=1e-2, abs=1e-7)
+    assert record.top1_agreement_se == pytest.approx(np.sqrt(agree.mean() * (1 - agree.mean()) / (n - 1)))
+    assert record.ppl_ratio == pytest.approx(np.exp((reference - variant).mean()), rel=1e-6)
+    assert record.ln_ppl_corr == pytest.approx(np.corrcoef(reference.reshape(-1), variant.reshape(-1))[0, 1], rel=1e-6)
+
 
 def test_clip_fraction_counts_ratios_outside_the_ppo_band():
     # A temperature far below 1 sharpens the distributions, so bf16 noise moves some log-probs past the band.

@@ -505,3 +505,30 @@ def test_tiny_hf_llama(transformers_loaded, pytester, monkeypatch):
     assert section[0].endswith("in 1 variant(s); first: bf16 model.layers.1 (fw)")
     assert table_rows(section)[0][:3] == ["bf16", "model.layers.1", "fw"]
     assert_no_traceback(result)
+
+
+KL_STATISTICS_TEST = """
+from tinymodel import run
+
+METRICS = ["kl_p99", "kl_median", "dp_rms", "dp_p1", "ppl_ratio", "ln_ppl_corr", "top1_agreement"]
+
+
+def test_name(precision, assert_precision_within):
+    assert_precision_within(run(precision), metrics=METRICS, tolerances={"fw": {"rtol": 100}})
+"""
+
+
+def test_the_kl_divergence_statistics_are_gated_and_written(pytester, monkeypatch):
+    """llama.cpp's statistics gate like any metric: written to the baseline, held, and a degraded bf16 fails on
+    the logprob row's KL percentiles."""
+    project(pytester, monkeypatch, test_gate=KL_STATISTICS_TEST)
+    run(pytester, "--update-baselines").assert_outcomes(passed=1)
+    document = json.loads(baseline_file(pytester, "test_gate", "test_name").read_text())
+    (logprob,) = [r for r in document["variants"]["bf16"]["records"] if r["kind"] == "logprob"]
+    assert {"kl_p99", "kl_p999", "dp_rms_se", "dp_p1", "ppl_ratio", "ppl_ratio_se", "ln_ppl_corr"} <= set(logprob)
+    run(pytester).assert_outcomes(passed=1)
+    degrade(monkeypatch)
+    result = run(pytester)
+    result.assert_outcomes(failed=1)
+    rows = table_rows(failure(result, "test_name"))
+    assert ["bf16", "logprob", "logprob", "kl_p99"] in [row[:4] for row in rows]

@@ -1,0 +1,130 @@
+"""llama.cpp's KL-divergence statistics (token_stats) against an independent computation: plain Python
+float64 arithmetic on known inputs, with percentiles by sorting and interpolating by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pytest_precision.numbers.logprobs import distribution_rows, distribution_sums
+from pytest_precision.numbers.token_stats import TokenStats, token_stats
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    """Linear interpolation between order statistics at fraction * (n - 1), as llama.cpp's `percentile`."""
+    ordered = sorted(values)
+    position = fraction * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (position - low) * (ordered[high] - ordered[low])
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    n = len(values)
+    mean = math.fsum(values) / n
+    second = math.fsum(v * v for v in values) / n
+    return mean, math.sqrt(max(0.0, second - mean * mean) / (n - 1))
+
+
+def expected_stats(kl: list[float], agree: list[float], ref: list[float], var: list[float]) -> dict[str, float]:
+    n = len(kl)
+    dp = [math.exp(b) - math.exp(a) for a, b in zip(ref, var, strict=True)]
+    dp_mean, dp_mean_se = mean_se(dp)
+    squares_mean, squares_se = mean_se([d * d for d in dp])
+    top1 = math.fsum(agree) / n
+    nll_ref, nll_var = [-a for a in ref], [-b for b in var]
+    mean_ref, se_ref = mean_se(nll_ref)
+    mean_var, se_var = mean_se(nll_var)
+    covariance = (math.fsum(a * b for a, b in zip(nll_var, nll_ref, strict=True)) / n - mean_var * mean_ref) / (n - 1)
+    log_ratio = mean_var - mean_ref
+    log_ratio_se = math.sqrt(se_var**2 + se_ref**2 - 2 * covariance)  # llama.cpp's form
+    return {
+        "kl_mean_se": mean_se(kl)[1],
+        "kl_median": percentile(kl, 0.5),
+        "kl_p90": percentile(kl, 0.9),
+        "kl_p99": percentile(kl, 0.99),
+        "kl_p999": percentile(kl, 0.999),
+        "dp_mean": dp_mean,
+        "dp_mean_se": dp_mean_se,
+        "dp_rms": math.sqrt(squares_mean),
+        "dp_rms_se": squares_se / (2 * math.sqrt(squares_mean)),
+        "dp_p1": percentile(dp, 0.01),
+        "dp_p5": percentile(dp, 0.05),
+        "dp_p95": percentile(dp, 0.95),
+        "dp_p99": percentile(dp, 0.99),
+        "dp_min": min(dp),
+        "dp_max": max(dp),
+        "top1_agreement_se": math.sqrt(top1 * (1 - top1) / (n - 1)),
+        "ppl_ratio": math.exp(log_ratio),
+        "ppl_ratio_se": math.exp(log_ratio) * log_ratio_se,
+        "ln_ppl_corr": covariance / (se_var * se_ref),  # llama.cpp's Cor(ln(PPL(Q)), ln(PPL(base)))
+    }
+
+
+@pytest.mark.parametrize("n", [7, 100, 1001])
+def test_every_statistic_matches_an_independent_computation(n: int) -> None:
+    generator = random.Random(n)
+    kl = [generator.expovariate(50.0) for _ in range(n)]
+    agree = [float(generator.random() < 0.9) for _ in range(n)]
+    ref = [math.log(generator.uniform(0.01, 0.99)) for _ in range(n)]
+    var = [a + generator.gauss(0.0, 0.05) for a in ref]
+    var = [min(v, -1e-6) for v in var]  # a probability stays below 1
+    stats = token_stats(*(np.array(v, dtype=np.float64) for v in (kl, agree, ref, var)))
+    for name, value in expected_stats(kl, agree, ref, var).items():
+        assert getattr(stats, name) == pytest.approx(value, rel=1e-9, abs=1e-15), name
+
+
+def test_known_small_input() -> None:
+    """Five tokens, by hand: KL 0, 1, 2, 3, 4 -> median 2, 90% 3.6; the variant halves no probability."""
+    kl = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    agree = np.array([1.0, 1.0, 0.0, 1.0, 1.0])
+    ref = np.log(np.array([0.5, 0.5, 0.25, 0.25, 0.1]))
+    var = np.log(np.array([0.5, 0.4, 0.25, 0.5, 0.1]))
+    stats = token_stats(kl, agree, ref, var)
+    assert (stats.kl_median, stats.kl_p90) == (2.0, pytest.approx(3.6))
+    assert stats.dp_min == pytest.approx(-0.1) and stats.dp_max == pytest.approx(0.25)
+    assert stats.dp_mean == pytest.approx(0.03)
+    assert stats.top1_agreement_se == pytest.approx(math.sqrt(0.8 * 0.2 / 4))
+    # PPL ratio: exp(mean(nll_var) - mean(nll_ref)) = exp(-(ln 0.8 + ln 2) / 5)
+    assert stats.ppl_ratio == pytest.approx(math.exp(-(math.log(0.8) + math.log(2.0)) / 5))
+
+
+def test_identical_runs_give_zero_error_and_full_correlation() -> None:
+    ref = np.log(np.array([0.5, 0.2, 0.9, 0.3]))
+    stats = token_stats(np.zeros(4), np.ones(4), ref, ref.copy())
+    assert stats.ppl_ratio == 1.0 and stats.ppl_ratio_se == 0.0
+    assert stats.dp_rms == 0.0 and stats.dp_rms_se == 0.0 and stats.dp_max == 0.0
+    assert stats.top1_agreement_se == 0.0 and stats.kl_p999 == 0.0
+    assert stats.ln_ppl_corr == pytest.approx(1.0)
+
+
+def test_no_tokens_and_one_token() -> None:
+    empty = np.zeros(0)
+    assert token_stats(empty, empty, empty, empty) == TokenStats(*([None] * 19))
+    one = token_stats(np.array([0.5]), np.array([1.0]), np.array([-1.0]), np.array([-2.0]))
+    assert one.kl_median == 0.5 and one.ppl_ratio == pytest.approx(math.e)
+    assert one.kl_mean_se is None and one.ppl_ratio_se is None and one.ln_ppl_corr is None
+    with pytest.raises(ValueError, match="different lengths"):
+        token_stats(np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2))
+
+
+def test_distribution_rows_are_per_token_kl_and_agreement_in_float64() -> None:
+    """Per row: KL(p || q) and argmax agreement against NumPy float64 by hand; the sums are their sums."""
+    generator = torch.Generator().manual_seed(0)
+    reference = torch.randn(2, 5, 11, generator=generator)
+    variant = reference + 0.3 * torch.randn(2, 5, 11, generator=generator)
+    rows = torch.tensor([0, 2, 3, 7, 9])
+    per_row = distribution_rows(reference, variant, rows).numpy()
+    p_logits = reference.reshape(-1, 11).double().numpy()[rows.numpy()]
+    q_logits = variant.reshape(-1, 11).double().numpy()[rows.numpy()]
+    for i in range(rows.numel()):
+        log_p = p_logits[i] - np.log(np.exp(p_logits[i] - p_logits[i].max()).sum()) - p_logits[i].max()
+        log_q = q_logits[i] - np.log(np.exp(q_logits[i] - q_logits[i].max()).sum()) - q_logits[i].max()
+        assert per_row[0, i] == pytest.approx(float(np.sum(np.exp(log_p) * (log_p - log_q))), rel=1e-12)
+        assert per_row[1, i] == float(p_logits[i].argmax() == q_logits[i].argmax())
+    sums = distribution_sums(reference, variant, rows).tolist()
+    assert sums == pytest.approx([per_row[0].sum(), per_row[0].max(), per_row[1].sum()], rel=1e-12)
