@@ -229,7 +229,10 @@ class VariantPass:
         vectors = token_vectors(per_row, logprob_rows)
         distribution = None
         if vectors is not None:
-            distribution = [math.fsum(vectors[0]), max(vectors[0], default=0.0), math.fsum(vectors[1])]
+            kl = vectors[0]
+            # A NaN KL (a non-finite variant) makes the maximum NaN, as torch.max would; max() would skip it.
+            kl_max = math.nan if any(math.isnan(v) for v in kl) else max(kl, default=0.0)
+            distribution = [math.fsum(kl), kl_max, math.fsum(vectors[1])]
         rows = self.runner.positions.logits_index
         row_count = 0 if rows is None else int(rows.numel())
         self.pending.clear()

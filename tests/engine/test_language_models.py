@@ -437,3 +437,22 @@ def test_gradient_at_the_logits_counts_the_positions_whose_target_counts():
     # the whole vocabulary.
     assert logprob.count == 2 * 31 - 3
     assert logits.count == logprob.count * VOCAB
+
+
+def test_a_nan_logit_makes_the_kl_statistics_nan_not_a_smaller_number():
+    """One NaN logit of the variant: the logprob row counts it, and the KL maximum and percentiles are NaN (a
+    maximum that skipped it would report a healthy-looking number)."""
+
+    def nan_logit(model):
+        def hook(_module, _args, out):
+            out = out.clone()
+            out[0, 3, 5] = float("nan")
+            return out
+
+        model.lm_head.register_forward_hook(hook)
+        return model
+
+    report = compare(tiny_llama(), batch(), [Variant("nan_head", dtype="bfloat16", prepare=nan_logit)], backward=False)
+    record = report.get("nan_head", "logprob", "logprob")
+    assert record.nonfinite >= 1
+    assert math.isnan(record.kl_max) and math.isnan(record.kl_p99) and math.isnan(record.kl_mean)
