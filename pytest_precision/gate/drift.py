@@ -14,9 +14,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.reports.environment import DRIFT_DEFAULTS, DRIFT_FIELDS
 
 #: The environment fields a drift rule may name: those that move numbers without a change of the user's code.
 DRIFT_RULE_FIELDS = ("torch", "transformers", "numpy", "python", "device", "cpu_capability", "threads", "cuda", "cudnn")
+
+
+def environment_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """ "name: then in the baseline, now now" for each DRIFT_FIELDS field that differs (a field the baseline does
+    not hold counts as its DRIFT_DEFAULTS value, or, without one, as not differing)."""
+    differences = []
+    for name in DRIFT_FIELDS:
+        if name not in recorded and name not in DRIFT_DEFAULTS:
+            continue
+        then = recorded.get(name, DRIFT_DEFAULTS.get(name))
+        if then != current.get(name):
+            differences.append(f"{name}: {then!r} in the baseline, {current.get(name)!r} now")
+    return differences
 
 
 def parsed_drift_rtol(text: str, setting: str) -> dict[str, float]:

@@ -33,9 +33,9 @@ from pytest_precision.plugin.options import (
     truthy,
     update_mode,
 )
-from pytest_precision.reports.environment import DRIFT_DEFAULTS, DRIFT_FIELDS
 
 if TYPE_CHECKING:
+    from pytest_precision.gate.drift import DriftAllowance
     from pytest_precision.gate.tolerance import Level, Tolerance
     from pytest_precision.reports.report import PrecisionReport
 
@@ -248,7 +248,7 @@ class PrecisionSession:
         """(outcome, failure message or None) of one check."""
         from pytest_precision.gate import baseline as baselines
         from pytest_precision.gate.checks import check_against_baseline, check_carried, check_limits, undefined_metrics
-        from pytest_precision.gate.drift import drift_allowance
+        from pytest_precision.gate.drift import drift_allowance, environment_differences
         from pytest_precision.gate.tolerance import DEFAULT_METRICS, validated_metrics
         from pytest_precision.gate.tolerance_rules import ToleranceRules
         from pytest_precision.plugin import messages
@@ -337,15 +337,13 @@ class PrecisionSession:
             if self.update and self.update_mode == "failing":
                 return update()  # a corrupt or old file fails its test: rewrite it
             raise
-        recorded = loaded.data.get("environment") or {}
-        differences = self._note_drift(shown, recorded, report)
-        allowance = drift_allowance(self.drift_rtol, recorded, environment(report.device, {}, report.distributed))
+        recorded, current = loaded.data.get("environment") or {}, environment(report.device, {}, report.distributed)
+        differences = environment_differences(recorded, current)
+        allowance = drift_allowance(self.drift_rtol, recorded, current)
+        self._note_drift(shown, differences, allowance)
         if allowance is not None:
             rules = dataclasses.replace(rules, drift_rtol=allowance.rtol)
             self.tests[item.nodeid]["gate"] = {**rules.to_dict(), "metrics": gated_metrics}
-            noted = self.drift.setdefault(os.fspath(shown), [])
-            if allowance.describe() not in noted:
-                noted.append(allowance.describe())
         result = check_against_baseline(loaded.records(), obtained, rules, gated_metrics)
         if result.worst_ratio is not None:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
@@ -390,22 +388,14 @@ class PrecisionSession:
             plot = self._shown(plot_path(self.report_dir, nodeid))
         return messages.full_list_hint(report_dir, baseline, rows, plot)
 
-    def _note_drift(self, shown: Path, recorded: Mapping[str, Any], report: PrecisionReport) -> list[str]:
+    def _note_drift(self, shown: Path, differences: list[str], allowance: DriftAllowance | None) -> None:
         """Remember, once per file, which environment fields differ from the baseline's (never a failure by
-        itself); return them."""
-        from pytest_precision.reports.environment import environment
-
-        current = environment(report.device, {}, report.distributed)
-        differences = []
-        for name in DRIFT_FIELDS:
-            if name not in recorded and name not in DRIFT_DEFAULTS:
-                continue
-            then = recorded.get(name, DRIFT_DEFAULTS.get(name))
-            if then != current.get(name):
-                differences.append(f"{name}: {then!r} in the baseline, {current.get(name)!r} now")
-        if differences:
-            self.drift.setdefault(os.fspath(shown), list(differences))
-        return differences
+        itself) and the drift rule that widened its tolerances."""
+        noted = self.drift.setdefault(os.fspath(shown), list(differences)) if differences else None
+        if allowance is not None:
+            noted = self.drift.setdefault(os.fspath(shown), []) if noted is None else noted
+            if allowance.describe() not in noted:
+                noted.append(allowance.describe())
 
     def recorded_loss_scales(self, item: pytest.Item, stem: str | None, device: str) -> dict[str, float]:
         """{variant: loss scale} recorded in the test's baseline file; empty when there is none to read

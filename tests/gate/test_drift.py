@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pytest_precision.base.errors import ConfigurationError
-from pytest_precision.gate.drift import DRIFT_RULE_FIELDS, drift_allowance, parsed_drift_rtol
+from pytest_precision.gate.drift import DRIFT_RULE_FIELDS, drift_allowance, environment_differences, parsed_drift_rtol
 from pytest_precision.gate.tolerance import Tolerance
 from pytest_precision.gate.tolerance_rules import ToleranceRules
 
@@ -63,3 +63,14 @@ def test_the_allowance_adds_to_every_rtol_and_survives_the_report_round_trip() -
     assert ToleranceRules.from_dict({}).drift_rtol == 0.0
     with pytest.raises(ConfigurationError, match="drift_rtol"):
         ToleranceRules(drift_rtol=float("nan"))
+
+
+def test_environment_differences_list_each_drift_field_that_differs() -> None:
+    recorded = {"torch": "2.13.0+cpu", "threads": 2, "device": "cpu: x86_64"}
+    current = {"torch": "2.6.0", "threads": 2, "device": "cpu: x86_64", "world_size": 1, "mesh": None}
+    assert environment_differences(recorded, current) == ["torch: '2.13.0+cpu' in the baseline, '2.6.0' now"]
+    # world_size is absent from old baselines: it counts as 1, so a 2-rank run differs and a 1-rank one does not.
+    assert environment_differences(recorded, {**current, "torch": "2.13.0+cpu", "world_size": 2}) == [
+        "world_size: 1 in the baseline, 2 now"
+    ]
+    assert environment_differences(dict(current), dict(current)) == []
