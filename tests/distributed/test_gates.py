@@ -76,8 +76,8 @@ def free_port() -> int:
 def run(project: Path, *arguments: str, torchrun: int = 0, **environment: str) -> tuple[int, str]:
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *arguments]
     if torchrun:
-        # A port of its own: torchrun's default (29500) may be held by another test's ranks under xdist, and a
-        # rank that cannot bind it waits for its peers until the timeout (seen: a 300 s hang on torch 2.6).
+        # A port of its own: torchrun's default (29500) may be held by another torchrun on the machine. (The 300 s
+        # hangs this test once had on torch 2.6 were in destroy_process_group: see ranks.shut_down.)
         command = [os.fspath(TORCHRUN), "--nproc_per_node", str(torchrun), "--master_port", str(free_port())]
         command += ["-m", "pytest", "-p", "no:cacheprovider"]
         command += list(arguments)
