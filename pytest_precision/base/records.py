@@ -76,19 +76,8 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
     "dynamic_range_log2": "lower",
 }
 
-#: Metrics only some records carry (log-probability rows); None elsewhere and left out of their JSON.
-OPTIONAL_METRICS: tuple[str, ...] = (
-    "delta_mean",
-    "delta_rms",
-    "delta_max_abs",
-    "clip_fraction",
-    "seq_delta_mean",
-    "seq_delta_std",
-    "seq_delta_rms",
-    "seq_delta_max",
-    "kl_mean",
-    "kl_max",
-    "top1_agreement",
+#: llama.cpp's KL-divergence statistics of logprob rows, the fields of numbers.token_stats.TokenStats.
+TOKEN_STAT_METRICS: tuple[str, ...] = (
     "kl_mean_se",
     "kl_median",
     "kl_p90",
@@ -108,6 +97,24 @@ OPTIONAL_METRICS: tuple[str, ...] = (
     "ppl_ratio",
     "ppl_ratio_se",
     "ln_ppl_corr",
+)
+#: The Δp location statistics among them: signed, gated by magnitude.
+DP_LOCATION_METRICS = ("dp_mean", "dp_p1", "dp_p5", "dp_p95", "dp_p99", "dp_min", "dp_max")
+
+#: Metrics only some records carry (log-probability rows); None elsewhere and left out of their JSON.
+OPTIONAL_METRICS: tuple[str, ...] = (
+    "delta_mean",
+    "delta_rms",
+    "delta_max_abs",
+    "clip_fraction",
+    "seq_delta_mean",
+    "seq_delta_std",
+    "seq_delta_rms",
+    "seq_delta_max",
+    "kl_mean",
+    "kl_max",
+    "top1_agreement",
+    *TOKEN_STAT_METRICS,
     "rho",
     "rms_e_a",
     "rms_e_b",
@@ -124,21 +131,7 @@ OPTIONAL_METRICS: tuple[str, ...] = (
 DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
 
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
-SIGNED_METRICS = frozenset(
-    {
-        "bias_abs",
-        "bias_rel",
-        "delta_mean",
-        "seq_delta_mean",
-        "dp_mean",
-        "dp_p1",
-        "dp_p5",
-        "dp_p95",
-        "dp_p99",
-        "dp_min",
-        "dp_max",
-    }
-)
+SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean", *DP_LOCATION_METRICS})
 
 
 @dataclass(frozen=True)

@@ -144,11 +144,6 @@ def _pinned_precision(matmul_precision: str, device_type: str) -> list[FlagSetti
     ]
 
 
-def fp32_precision_settings() -> dict[str, Any]:
-    """The current fp32 precision settings (per backend op on torch >= 2.9), for the report's environment."""
-    return _precision_snapshot()
-
-
 @contextlib.contextmanager
 def pinned_backend(variant: Variant, device_type: str) -> Iterator[list[FlagSetting]]:
     """Set the matmul precision and backend flags of `variant`; restore every touched setting on exit.

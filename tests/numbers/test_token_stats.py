@@ -128,3 +128,15 @@ def test_distribution_rows_are_per_token_kl_and_agreement_in_float64() -> None:
         assert per_row[1, i] == float(p_logits[i].argmax() == q_logits[i].argmax())
     sums = distribution_sums(reference, variant, rows).tolist()
     assert sums == pytest.approx([per_row[0].sum(), per_row[0].max(), per_row[1].sum()], rel=1e-12)
+
+
+def test_every_token_statistic_is_a_record_metric_with_a_direction() -> None:
+    """TokenStats' fields are the logprob rows' optional metrics of records.py, each gateable in a direction."""
+    import dataclasses
+
+    from pytest_precision.base.records import METRIC_DIRECTIONS, OPTIONAL_METRICS, TOKEN_STAT_METRICS, Record
+
+    names = [f.name for f in dataclasses.fields(TokenStats)]
+    assert names == list(TOKEN_STAT_METRICS)
+    record_fields = {f.name for f in dataclasses.fields(Record)}
+    assert set(names) <= record_fields & set(OPTIONAL_METRICS) & set(METRIC_DIRECTIONS)
