@@ -10,7 +10,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pytest_precision.base.errors import BaselineError, ConfigurationError, ModelRunError, PrecisionError
+    from pytest_precision.base.errors import (
+        BaselineError,
+        ConfigurationError,
+        ModelRunError,
+        NotSupportedHere,
+        PrecisionError,
+    )
     from pytest_precision.base.records import Record, TensorError
     from pytest_precision.distributed.ranks import RankFailure
     from pytest_precision.distributed.sharding import ShardedModel, sharded
@@ -27,6 +33,10 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+from pytest_precision.base.torchao_notices import quiet_torchao_notices
+
+quiet_torchao_notices()  # torchao's CPU-build notices, printed by any later import of transformers
+
 _EXPORTS = {
     "Arrangement": "engine.arrangements",
     "Call": "engine.arrangements",
@@ -41,6 +51,7 @@ _EXPORTS = {
     "BaselineError": "base.errors",
     "ConfigurationError": "base.errors",
     "ModelRunError": "base.errors",
+    "NotSupportedHere": "base.errors",
     "PrecisionError": "base.errors",
     "TensorError": "base.records",
     "tensor_error": "numbers.metrics",
@@ -62,6 +73,7 @@ __all__ = [
     "ConfigurationError",
     "LowPrecisionReferenceWarning",
     "ModelRunError",
+    "NotSupportedHere",
     "PrecisionError",
     "PrecisionReport",
     "PrecisionUnassertedWarning",

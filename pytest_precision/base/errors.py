@@ -20,3 +20,8 @@ class BaselineError(PrecisionError):
 
 class ModelRunError(PrecisionError):
     """The model rejected the inputs, or the run produced something that cannot be compared."""
+
+
+class NotSupportedHere(ConfigurationError):
+    """A variant this device or this torch cannot run (fp8 matmuls without a GPU that has them, ...). Under
+    pytest the test is skipped with the reason; elsewhere it is an error."""

@@ -266,6 +266,11 @@ class Record(TensorError):
         return cls(**values)
 
 
+def forward_only(variant: dict[str, Any]) -> bool:
+    """Whether a run described by `variant` (RunInfo.variant) made no backward: an arrangement, or quantize."""
+    return bool(variant.get("arrangement") or variant.get("quantize"))
+
+
 @dataclass(frozen=True)
 class RunInfo:
     """What one run was: its spec, the dtypes it held, its inputs and the backend settings it pinned."""
@@ -284,12 +289,18 @@ class RunInfo:
     tied_head: bool | None = None
     #: Runs of this variant compare(repeats=...) made to measure run-to-run noise.
     repeats: int = 1
+    #: A format below 16 bits: {"format", "kernels" ("native", "emulated", "plain casts"), "modules" (how many
+    #: took it), "torchao" (its version)}; None for the others.
+    lowbit: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; `repeats` only when more than one, keeping single-run baselines unchanged."""
+        """JSON-ready; `repeats` only when more than one and `lowbit` only when set, keeping other baselines
+        unchanged."""
         data = dataclasses.asdict(self)
         if self.repeats == 1:
             del data["repeats"]
+        if self.lowbit is None:
+            del data["lowbit"]
         return data
 
     @classmethod

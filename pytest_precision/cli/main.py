@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pytest_precision.base.errors import PrecisionError
 from pytest_precision.base.records import KINDS
+from pytest_precision.base.torchao_notices import quiet_torchao_notices
 from pytest_precision.gate.baseline_diff import Row as Row
 from pytest_precision.gate.baseline_diff import diff_rows as diff_rows
 from pytest_precision.gate.baseline_diff import lost_checks as lost_checks
@@ -323,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants-file",
         metavar="FILE",
         help="a JSON or TOML file of variants by their fields (name, dtype, "
-        "autocast, fp32_modules, matmul_precision, backend, attn_implementation, arrangement); mixes with --variants",
+        "autocast, fp32_modules, matmul_precision, backend, attn_implementation, arrangement, fp8_training, quantize, "
+        "weight_storage); mixes with --variants",
     )
     variants.add_argument(
         "--isolate", action="store_true", help="also each module's isolated error (the error it adds itself)"
@@ -385,6 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_torchao_notices()
     arguments = build_parser().parse_args(argv)
     try:
         code = int(arguments.handler(arguments))

@@ -12,6 +12,10 @@ an array of tables `[[variants]]`. Each entry takes the fields of Variant that n
     backend              {"cuda.matmul.allow_tf32": true, ...}: torch.backends flag paths and values
     attn_implementation  "eager", "sdpa", ... (transformers models)
     arrangement          "decode", "batch_alone" or "left_padded" (forward only)
+    fp8_training         "tensorwise", "rowwise" or "rowwise_with_gw_hp" (torchao float8 training)
+    quantize             a torchao config: its class name, or {"config": "Int4WeightOnlyConfig", "group_size": 32}
+                         (an argument may be {"config": "PerRow"}, another torchao object, or "torch.float8_e4m3fn")
+    weight_storage       "float8_e4m3fn" or "float8_e5m2" (weights round-tripped, scaled per tensor)
 
 Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry.
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.engine.lowbit_formats import FP8_RECIPES, STORAGE_FORMATS, QuantizeConfig
 from pytest_precision.engine.variants import Variant, checked_file_name
 
 #: The fields a variants file may give, with what each must be (for the error messages).
@@ -37,6 +42,9 @@ FILE_FIELDS: dict[str, str] = {
     "backend": "an object of torch.backends flag paths to values",
     "attn_implementation": "an attention implementation name such as eager or sdpa, or null",
     "arrangement": "one of decode, batch_alone, left_padded",
+    "fp8_training": "one of tensorwise, rowwise, rowwise_with_gw_hp",
+    "quantize": 'a torchao config class name, or an object {"config": name, ...its keyword arguments}',
+    "weight_storage": "one of float8_e4m3fn, float8_e5m2",
 }
 #: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
@@ -185,6 +193,20 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
         if not isinstance(entry["arrangement"], str) or entry["arrangement"] not in BUILTIN_ARRANGEMENTS:
             raise wrong("arrangement")
         fields["arrangement"] = entry["arrangement"]
+    for field, choices in (("fp8_training", FP8_RECIPES), ("weight_storage", STORAGE_FORMATS)):
+        if field in entry:
+            if entry[field] not in choices or not isinstance(entry[field], str):
+                raise wrong(field)
+            fields[field] = entry[field]
+    if "quantize" in entry:
+        value = entry["quantize"]
+        if isinstance(value, str) and value:
+            fields["quantize"] = QuantizeConfig(value)
+        elif isinstance(value, Mapping):
+            fields["quantize"] = QuantizeConfig.from_mapping(value, where)
+        else:
+            raise wrong("quantize")
+        fields["quantize"].build(where)  # a wrong name or argument fails here, naming the file and entry
     return fields
 
 

@@ -130,6 +130,21 @@ def _precision_apply(state: Mapping[str, Any]) -> None:
             setattr(owner, attribute, value)
 
 
+@contextlib.contextmanager
+def precision_kept() -> Iterator[None]:
+    """Restore the matmul/conv precision settings on exit, whatever the body set (a library that calls
+    torch.set_float32_matmul_precision, as torchao < 0.13's quantize_ does)."""
+    import torch
+
+    legacy, saved = torch.get_float32_matmul_precision(), _precision_snapshot()
+    try:
+        yield
+    finally:
+        # torch >= 2.9 keeps the legacy setting apart from the per-backend leaves it writes: restore both.
+        torch.set_float32_matmul_precision(legacy)
+        _precision_apply(saved)
+
+
 def _pinned_precision(matmul_precision: str, device_type: str) -> list[FlagSetting]:
     """The precision settings that give `matmul_precision` on this torch, each with its effect on the device."""
     if has_fp32_precision_settings():

@@ -113,7 +113,9 @@ def measure(
             )
             runner.progress.done()
             seen = {(r.name, r.kind) for r in records}
-            absent = (LOGITS_KIND,) if variant.arrangement is None else (LOGITS_KIND, "loss", *GRADIENT_KINDS)
+            absent: tuple[str, ...] = (LOGITS_KIND,)
+            absent += ("loss",) if variant.arrangement is not None else ()
+            absent += GRADIENT_KINDS if variant.forward_only else ()
             missing = [key for key in stored if key not in seen and key[1] not in absent]
             report.add(variant.name, info, records, missing)
         # The weights' reference_sums served this call's variants only (harmless if an error leaves them).

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_precision.base.dtypes import torch_dtype
 from pytest_precision.base.errors import ConfigurationError, ModelRunError
+from pytest_precision.engine.lowbit_build import APPLIED_FORMATS, apply_lowbit
 from pytest_precision.engine.variants import HEAD_MODULE, Variant
 
 if TYPE_CHECKING:
@@ -332,6 +333,10 @@ def build_run_model(
     modules = dict(model.named_modules())
     for name in fp32_names:
         compute_in_fp32(modules[name], device.type, keep_output_fp32=name == head)
+    if variant.lowbit:
+        applied = apply_lowbit(model, variant, device, [*fp32_names, *([head] if head is not None else [])])
+        if applied is not None:
+            APPLIED_FORMATS[model] = applied
     if variant.prepare is not None:
         try:
             prepared = variant.prepare(model)

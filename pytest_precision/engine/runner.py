@@ -41,6 +41,7 @@ from pytest_precision.engine.capture import (
 from pytest_precision.engine.host_sums import HostSums
 from pytest_precision.engine.isolation import ambient_modes_off, seed_run
 from pytest_precision.engine.losses import LossFn, loss_of
+from pytest_precision.engine.lowbit_build import APPLIED_FORMATS, dequantized
 from pytest_precision.engine.model_build import FactoryProducts, build_run_model
 from pytest_precision.engine.model_facts import (
     dtype_counts,
@@ -157,17 +158,18 @@ class Runner:
             args, kwargs = self.batch.on(self.device, float_dtype)
             call_inputs: Any = kwargs if not args else (args[0] if len(args) == 1 else args)
             seed_run(self.device)
+            backward = self.backward and not variant.forward_only  # quantized inference: forward only
             autocast = self._autocast(variant)
             watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
             if origin is not None:
-                watch = trace_nonfinite(model, backward=self.backward)
+                watch = trace_nonfinite(model, backward=backward)
             if self.distributed:
                 sink = self._localized(sink)
                 self.mesh = mesh_of(model)
             if self.weight_cast and isolation is None and recording is None:
                 for parameter_name, parameter in model.named_parameters():  # tied ones once
                     if parameter.is_floating_point():
-                        sink(parameter_name, WEIGHT_KIND, parameter.detach())
+                        sink(parameter_name, WEIGHT_KIND, dequantized(parameter))
             self.phase("forward")
             if isolation is not None:
                 return self._run_isolated(model, variant, sink, loss_scale, isolation, (args, kwargs), flags)
@@ -175,7 +177,7 @@ class Runner:
                 return self._run_arranged(model, variant, sink, call_inputs, flags, origin)
             if recording is not None:
                 recorder: contextlib.AbstractContextManager[Any] = isolated.record(
-                    model, isolated.boundaries(self.module_names), backward=self.backward, into=recording
+                    model, isolated.boundaries(self.module_names), backward=backward, into=recording
                 )
             else:
                 recorder = contextlib.nullcontext()
@@ -185,9 +187,9 @@ class Runner:
             with (
                 watch as trace,
                 recorder,
-                capture(model, self.module_names, sink, backward=self.backward, parameter_grads=hooked_grads),
+                capture(model, self.module_names, sink, backward=backward, parameter_grads=hooked_grads),
             ):
-                with torch.set_grad_enabled(self.backward), autocast:
+                with torch.set_grad_enabled(backward), autocast:
                     try:
                         output = model(*args, **kwargs)
                     except PrecisionError:
@@ -198,7 +200,7 @@ class Runner:
                 loss = loss_of(output, call_inputs, self.loss_fn, variant.name)
                 if loss is not None:
                     sink("loss", "loss", plain(loss).detach())  # under torch.distributed: each rank's loss
-                if self.backward:
+                if backward:
                     if loss is None:
                         raise ConfigurationError(
                             f"run {variant.name!r}: backward=True needs a loss: the model's output has no "
@@ -237,6 +239,7 @@ class Runner:
 
     def _info(self, model: nn.Module, variant: Variant, flags: Any) -> RunInfo:
         categories, tied = parameter_categories(model)
+        applied = APPLIED_FORMATS.get(model)
         return RunInfo(
             variant=variant.to_dict(),
             parameter_dtypes=dtype_counts(model.parameters()),
@@ -247,6 +250,7 @@ class Runner:
             parameter_categories=categories,
             tied_head=tied,
             repeats=self.repeats,
+            lowbit=None if applied is None else applied.to_dict(),
         )
 
     def _run_arranged(
@@ -311,18 +315,19 @@ class Runner:
 
         args, kwargs = call
         autocast = self._autocast(variant)
+        backward = self.backward and not variant.forward_only
         with (
             isolated.isolate(model, boundary_names, recorded, scale=loss_scale, variant=variant.name) as run,
-            capture(model, self.module_names, isolated_sink, backward=self.backward),
+            capture(model, self.module_names, isolated_sink, backward=backward),
         ):
-            with torch.set_grad_enabled(self.backward), autocast:
+            with torch.set_grad_enabled(backward), autocast:
                 try:
                     model(*args, **kwargs)
                 except PrecisionError:
                     raise
                 except Exception as error:
                     raise ModelRunError(self._failure(model, variant, error, "isolated forward")) from error
-            if self.backward:
+            if backward:
                 try:
                     run.backward()
                 except Exception as error:

@@ -338,7 +338,7 @@ def measure_variant(
     reference recorded), an isolated pass at the same loss scale adds the "*_isolated" rows. With `logprobs`,
     the variant's chosen-token log-probabilities are kept in `logprobs[variant.name]`.
     """
-    scaled = runner.backward and variant.dtype == "float16" and variant.arrangement is None
+    scaled = runner.backward and variant.dtype == "float16" and not variant.forward_only
     scale = 1.0
     if scaled:
         if loss_scale == CALIBRATE:

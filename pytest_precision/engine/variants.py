@@ -11,6 +11,13 @@ from pytest_precision.base.dtypes import DTypeName, dtype_name, torch_dtype
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.base.file_names import windows_device_name
 from pytest_precision.engine.arrangements import Arrangement, resolve_arrangement
+from pytest_precision.engine.lowbit_formats import (
+    FP8_RECIPES,
+    STORAGE_FORMATS,
+    QuantizeConfig,
+    quantize_description,
+    quantize_spec,
+)
 
 if TYPE_CHECKING:
     pass
@@ -60,6 +67,15 @@ class Variant:
         pytest_precision.engine.isolated): extra rows of kinds fw_isolated, bw_isolated and grad_isolated.
     arrangement: compute the reference's tokens another way, as a sampler does (forward only; see
         pytest_precision.engine.arrangements): "decode", "batch_alone", "left_padded" or an Arrangement.
+    fp8_training: a torchao float8 training recipe, "tensorwise", "rowwise" or "rowwise_with_gw_hp": the
+        nn.Linear modules become torchao Float8Linear (emulated off CUDA of compute capability 8.9+).
+    quantize: a torchao quantization config applied with torchao.quantization.quantize_ (forward only): the
+        config object, its class name, or {"config": name, **kwargs}.
+    weight_storage: "float8_e4m3fn" or "float8_e5m2": nn.Linear weights round-tripped through that format,
+        scaled per tensor, as an fp8 checkpoint stores them.
+    lowbit_filter: `(module, name) -> bool`, the modules the three above apply to; None: every nn.Linear but
+        the output head and fp32_modules (see pytest_precision.engine.lowbit_build). Needs torchao for the
+        first two: pip install "pytest-precision[lowbit]".
     """
 
     name: str
@@ -75,6 +91,10 @@ class Variant:
     output_dtype: DTypeName | None = None
     isolate: bool = False
     arrangement: Arrangement | str | None = None
+    fp8_training: str | None = None
+    quantize: Any = None
+    weight_storage: str | None = None
+    lowbit_filter: Callable[[Any, str], bool] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.name, str):
@@ -100,6 +120,43 @@ class Variant:
             )
         if self.autocast and self.dtype not in ("bfloat16", "float16"):
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
+        self._check_lowbit()
+
+    def _check_lowbit(self) -> None:
+        where = f"variant {self.name!r}"
+        object.__setattr__(self, "quantize", quantize_spec(self.quantize, where))
+        if self.fp8_training is not None and self.fp8_training not in FP8_RECIPES:
+            raise ConfigurationError(
+                f"{where}: fp8_training={self.fp8_training!r}; torchao's recipes are {', '.join(FP8_RECIPES)}"
+            )
+        if self.weight_storage is not None and self.weight_storage not in STORAGE_FORMATS:
+            raise ConfigurationError(
+                f"{where}: weight_storage={self.weight_storage!r}; use {' or '.join(STORAGE_FORMATS)}"
+            )
+        chosen = [f for f in ("fp8_training", "quantize", "weight_storage") if getattr(self, f) is not None]
+        if len(chosen) > 1:
+            raise ConfigurationError(f"{where}: {' and '.join(chosen)} are two formats; a variant takes one")
+        if self.lowbit_filter is not None and not callable(self.lowbit_filter):
+            raise ConfigurationError(f"{where}: lowbit_filter must be a callable (module, name) -> bool")
+        if self.lowbit_filter is not None and not chosen:
+            raise ConfigurationError(
+                f"{where}: lowbit_filter chooses modules for fp8_training, quantize or weight_storage; set one"
+            )
+        if chosen and (self.autocast or self.fsdp_knobs or self.arrangement is not None):
+            raise ConfigurationError(
+                f"{where}: {chosen[0]} runs on a model cast to its dtype, in one process, all its tokens at once: "
+                "not with autocast, FSDP2 mixed precision or an arrangement"
+            )
+
+    @property
+    def lowbit(self) -> bool:
+        """Whether the variant runs a format below 16 bits (fp8 training, quantize, weight storage)."""
+        return self.fp8_training is not None or self.quantize is not None or self.weight_storage is not None
+
+    @property
+    def forward_only(self) -> bool:
+        """Whether the variant runs no backward, whatever the comparison asks: arrangements, quantize."""
+        return self.arrangement is not None or self.quantize is not None
 
     def __hash__(self) -> int:
         return hash(
@@ -112,6 +169,9 @@ class Variant:
                 *self.fsdp_dtypes,
                 self.isolate,
                 self.arrangement_name,
+                self.fp8_training,
+                quantize_description(self.quantize),
+                self.weight_storage,
             )
         )
 
@@ -160,6 +220,10 @@ class Variant:
             **{knob: getattr(self, knob) for knob in FSDP_KNOBS if getattr(self, knob) is not None},
             **({"isolate": True} if self.isolate else {}),
             **({"arrangement": self.arrangement_name} if self.arrangement is not None else {}),
+            **({"fp8_training": self.fp8_training} if self.fp8_training is not None else {}),
+            **({"quantize": quantize_description(self.quantize)} if self.quantize is not None else {}),
+            **({"weight_storage": self.weight_storage} if self.weight_storage is not None else {}),
+            **({"lowbit_filter": _qualified_name(self.lowbit_filter)} if self.lowbit_filter is not None else {}),
         }
 
 
@@ -202,6 +266,19 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         Variant("bf16_batch_alone", dtype="bfloat16", arrangement="batch_alone"),
         Variant("fp32_left_padded", dtype="float32", arrangement="left_padded"),
         Variant("bf16_left_padded", dtype="bfloat16", arrangement="left_padded"),
+        # Below 16 bits (pip install "pytest-precision[lowbit]" for torchao), each on a bf16 model as production
+        # runs it. fp8 training (torchao.float8): emulated off CUDA of compute capability 8.9+.
+        Variant("fp8_tensorwise", dtype="bfloat16", fp8_training="tensorwise"),
+        Variant("fp8_rowwise", dtype="bfloat16", fp8_training="rowwise"),
+        Variant("fp8_rowwise_gw_hp", dtype="bfloat16", fp8_training="rowwise_with_gw_hp"),
+        # Quantized inference (torchao.quantization.quantize_, forward only).
+        Variant("int8_weight_only", dtype="bfloat16", quantize=QuantizeConfig("Int8WeightOnlyConfig")),
+        Variant("int8_dynamic", dtype="bfloat16", quantize=QuantizeConfig("Int8DynamicActivationInt8WeightConfig")),
+        Variant("fp8_weight_only", dtype="bfloat16", quantize=QuantizeConfig("Float8WeightOnlyConfig")),
+        Variant("fp8_dynamic", dtype="bfloat16", quantize=QuantizeConfig("Float8DynamicActivationFloat8WeightConfig")),
+        # fp8 weight storage round trips (no torchao): for models no torchao kernel serves.
+        Variant("fp8_e4m3_weights", dtype="bfloat16", weight_storage="float8_e4m3fn"),
+        Variant("fp8_e5m2_weights", dtype="bfloat16", weight_storage="float8_e5m2"),
     )
 }
 

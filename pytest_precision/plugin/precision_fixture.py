@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_precision.base.errors import ConfigurationError, PrecisionError
+from pytest_precision.base.errors import ConfigurationError, NotSupportedHere, PrecisionError
 from pytest_precision.plugin.session import ASSERTED_KEY, TABLES_KEY, PrecisionSession, marker_isolate
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ class PrecisionRunner:
                 compare_kwargs["loss_scale"] = scales
         try:
             report = compare(model, inputs, variants, **compare_kwargs)
+        except NotSupportedHere as error:  # a variant this machine cannot run: a skip that says why
+            pytest.skip(str(error))
         except PrecisionError as error:
             message = f"{type(error).__name__}: {error}"
         else:

@@ -13,6 +13,8 @@ import statistics
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pytest_precision.base.records import forward_only
+
 if TYPE_CHECKING:
     from pytest_precision.base.records import Record
     from pytest_precision.base.records import ReportData as PrecisionReport
@@ -87,7 +89,7 @@ def summary_rows(report: PrecisionReport, kind: str) -> list[tuple[str, list[Rec
     `kind` keep their row when another variant has some, but for arrangements' backward (forward only)."""
     rows: list[tuple[str, list[Record]]] = []
     for variant in report.variants:
-        if kind in ("bw", "grad") and report.runs[variant].variant.get("arrangement"):
+        if kind in ("bw", "grad") and forward_only(report.runs[variant].variant):
             continue
         rows.append((variant, report.records(variant, kind)))
         isolated = report.records(variant, f"{kind}_isolated")
@@ -337,6 +339,20 @@ def decomposition_table(report: PrecisionReport) -> list[str]:
     return render(["decomposition", "rho", "rms_e_a", "rms_e_b", "rms_e_diff", "rms_floor"], rows)
 
 
+def lowbit_lines(report: PrecisionReport) -> list[str]:
+    """One line per variant below 16 bits: its format, whether its kernels ran natively or emulated, and how
+    many modules took it."""
+    lines = []
+    for variant in report.variants:
+        lowbit = report.runs[variant].lowbit
+        if lowbit:
+            torchao = f", torchao {lowbit['torchao']}" if lowbit.get("torchao") else ""
+            lines.append(
+                f"  {variant}: {lowbit['format']}, {lowbit['kernels']}{torchao}, {lowbit['modules']} module(s)"
+            )
+    return lines
+
+
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
     """The summary tables, then (with `full`) each variant's per-tensor table."""
     reference = report.reference.variant.get("name", "fp32")
@@ -349,6 +365,7 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         shape += f" ({', '.join(names)})" if mesh and names else ""
         where += f", {ranks['world_size']} ranks{shape}"
     lines = [f"precision: {metric} against the {reference} reference on {where}, in execution order"]
+    lines += lowbit_lines(report)
     for kind in SUMMARY_KINDS:
         table = summary_table(report, kind, metric)
         if table:

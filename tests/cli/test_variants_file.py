@@ -199,6 +199,9 @@ def test_file_fields_are_the_documented_ones() -> None:
         "backend",
         "attn_implementation",
         "arrangement",
+        "fp8_training",
+        "quantize",
+        "weight_storage",
     ]
     assert set(FILE_FIELDS) <= set(Variant.__dataclass_fields__)
 
@@ -636,3 +639,85 @@ def test_an_unknown_name_in_variants_points_to_the_variants_file_not_to_python()
 def test_fsdp_variants_are_refused_by_the_command_before_any_run(name: str) -> None:
     with pytest.raises(PrecisionError, match=f"^--variants {name}: FSDP2 mixed precision .* needs the model sharded"):
         chosen_variants(RunOptions(directory=Path("x"), variants=f"bf16,{name}"))
+
+
+# --- formats below 16 bits ----------------------------------------------------------------------------------------
+
+LOWBIT_TOML = """
+[[variants]]
+name = "fp8_rw"
+dtype = "bf16"
+fp8_training = "rowwise"
+
+[[variants]]
+name = "int8"
+dtype = "bf16"
+quantize = "Int8WeightOnlyConfig"
+
+[[variants]]
+name = "fp8_e5m2_wo"
+dtype = "bf16"
+quantize = { config = "Float8WeightOnlyConfig", weight_dtype = "torch.float8_e5m2" }
+
+[[variants]]
+name = "fp8_rows_dyn"
+dtype = "bf16"
+quantize = { config = "Float8DynamicActivationFloat8WeightConfig", granularity = { config = "PerRow" } }
+
+[[variants]]
+name = "e5m2"
+dtype = "bf16"
+weight_storage = "float8_e5m2"
+"""
+
+
+@needs_toml
+def test_lowbit_fields_load_from_toml_as_the_python_variants(tmp_path: Path) -> None:
+    pytest.importorskip("torchao", reason="the lowbit extra (torchao) is not installed")
+    from pytest_precision.engine.lowbit_formats import QuantizeConfig
+
+    loaded = load_variants_file(write(tmp_path, "v.toml", LOWBIT_TOML))
+    assert loaded[0] == Variant("fp8_rw", dtype="bfloat16", fp8_training="rowwise")
+    assert loaded[1] == Variant("int8", dtype="bfloat16", quantize="Int8WeightOnlyConfig")
+    assert loaded[1].to_dict()["quantize"] == BUILTIN_VARIANTS["int8_weight_only"].to_dict()["quantize"]
+    assert loaded[2].quantize == QuantizeConfig("Float8WeightOnlyConfig", (("weight_dtype", "torch.float8_e5m2"),))
+    assert loaded[2].to_dict()["quantize"] == "Float8WeightOnlyConfig(weight_dtype='torch.float8_e5m2')"
+    assert loaded[3].to_dict()["quantize"] == ("Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())")
+    assert loaded[4].weight_storage == "float8_e5m2" and loaded[4].forward_only is False
+    assert [v.forward_only for v in loaded] == [False, True, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("entry", "reasons"),
+    [
+        ({"fp8_training": "blockwise"}, ("fp8_training must be one of tensorwise, rowwise, rowwise_with_gw_hp",)),
+        ({"fp8_training": True}, ("fp8_training must be one of",)),
+        ({"weight_storage": "int4"}, ("weight_storage must be one of float8_e4m3fn, float8_e5m2", "got 'int4'")),
+        ({"quantize": 3}, ("quantize must be a torchao config class name", "got 3")),
+        ({"quantize": ""}, ("quantize must be a torchao config class name",)),
+        ({"quantize": {"group_size": 32}}, ("quantize as a table needs 'config'",)),
+        ({"quantize": "Int3WeightOnlyConfig"}, ("torchao has no config 'Int3WeightOnlyConfig'", "its configs: ")),
+        ({"quantize": {"config": "Int8WeightOnlyConfig", "bits": 3}}, ("Int8WeightOnlyConfig(bits=3) was refused",)),
+        ({"quantize": "Int8WeightOnlyConfig", "weight_storage": "float8_e5m2"}, ("two formats; a variant takes one",)),
+    ],
+)
+def test_a_wrong_lowbit_field_names_the_file_and_the_entry(
+    tmp_path: Path, entry: dict[str, Any], reasons: tuple[str, ...]
+) -> None:
+    pytest.importorskip("torchao", reason="the lowbit extra (torchao) is not installed")
+    path = write(tmp_path, "v.json", [OK, {"name": "x", "dtype": "bf16", **entry}])
+    with pytest.raises(ConfigurationError) as error:
+        load_variants_file(path)
+    message = str(error.value)
+    assert message.startswith(f"--variants-file {path}, variant 2 ('x'): "), message
+    for reason in reasons:
+        assert reason in message, message
+
+
+def test_a_quantize_variant_without_torchao_names_the_extra(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    path = write(tmp_path, "v.json", [{"name": "x", "dtype": "bf16", "quantize": "Int8WeightOnlyConfig"}])
+    with pytest.raises(ConfigurationError, match=r"variant 1 \('x'\).*needs torchao.*pytest-precision\[lowbit\]"):
+        load_variants_file(path)

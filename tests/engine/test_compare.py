@@ -124,7 +124,10 @@ def test_an_fsdp_variant_of_an_unsharded_model_says_how_to_shard_it(llama: nn.Mo
         compare(llama, make_batch(), [name])
 
 
-UNSHARDED_BUILTINS = sorted(name for name, variant in BUILTIN_VARIANTS.items() if not variant.fsdp_knobs)
+#: Formats below 16 bits have tests of their own (tests/engine/test_lowbit.py).
+UNSHARDED_BUILTINS = sorted(
+    name for name, variant in BUILTIN_VARIANTS.items() if not variant.fsdp_knobs and not variant.lowbit
+)
 
 
 @pytest.mark.parametrize("name", UNSHARDED_BUILTINS)

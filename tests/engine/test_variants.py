@@ -43,6 +43,15 @@ EXPECTED_BUILTINS = {
     "bf16_batch_alone": ("bfloat16", False),
     "fp32_left_padded": ("float32", False),
     "bf16_left_padded": ("bfloat16", False),
+    "fp8_tensorwise": ("bfloat16", False),
+    "fp8_rowwise": ("bfloat16", False),
+    "fp8_rowwise_gw_hp": ("bfloat16", False),
+    "int8_weight_only": ("bfloat16", False),
+    "int8_dynamic": ("bfloat16", False),
+    "fp8_weight_only": ("bfloat16", False),
+    "fp8_dynamic": ("bfloat16", False),
+    "fp8_e4m3_weights": ("bfloat16", False),
+    "fp8_e5m2_weights": ("bfloat16", False),
 }
 
 

@@ -10,6 +10,7 @@ comparison loads lazily (`warm_up()`), so that no run re-imports half of torch o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pkgutil
@@ -147,6 +148,8 @@ def warm_up() -> None:
     document = baseline.document(report, "warm_up", environment.environment("cpu", {}))
     json.loads(baseline.render(document))
     torch.float8_e4m3fn  # noqa: B018
+    if importlib.util.find_spec("torchao") is not None:  # the lowbit variants' modules, loaded once here
+        compare(tiny.tiny_model(), tiny.tiny_batch(), ["fp8_rowwise", "int8_weight_only", "fp8_e4m3_weights"])
     # What --precision-report's plot imports, imported here once: then the warnings of matplotlib and the class
     # that run's -W ignores come from one pyparsing (run re-imports nothing that a warning class could differ in).
     if plots.matplotlib_available():

@@ -222,6 +222,7 @@ def test_a_session_without_precision_tests_does_not_import_torch(pytester):
                 for name in (
                     "base",
                     "base.errors",
+                    "base.torchao_notices",  # a logging filter, before transformers imports torchao
                     "plugin",
                     "plugin.assertion",
                     "plugin.launcher",

@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest itself depends on tomli there
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The extras whose requirements the `oldest` environment pins with the core dependencies (not dev's tools).
-PINNED_EXTRAS = ("hf", "plot", "test")
+PINNED_EXTRAS = ("hf", "plot", "lowbit", "test")
 
 
 @pytest.fixture(scope="module")
