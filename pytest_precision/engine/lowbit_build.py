@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +93,13 @@ def lowbit_modules(
         if variant.fp8_training is not None and not isinstance(module, nn.Linear):
             continue  # Float8Linear replaces nn.Linear modules only
         if variant.lowbit_filter is not None:
-            if variant.lowbit_filter(module, name):
+            try:
+                taken = variant.lowbit_filter(module, name)
+            except Exception as error:
+                raise ModelRunError(
+                    f"variant {variant.name!r}: lowbit_filter raised {type(error).__name__} on module {name!r}: {error}"
+                ) from error
+            if taken:
                 chosen.append(name)
             continue
         if not isinstance(module, nn.Linear):
@@ -156,14 +162,8 @@ def _quantized(model: nn.Module, variant: Variant, device: torch.device, exclude
     torchao = import_torchao(f"{where} (quantize)")
     from torchao.quantization import quantize_
 
-    config = built_quantize_config(variant.quantize, where)
+    config = runnable_quantize_config(variant, device)
     kind = type(config).__name__
-    if kind in FP8_MATMUL_CONFIGS and not fp8_native(device):
-        raise NotSupportedHere(
-            f"{where}: {kind} runs fp8 matmuls, which need CUDA of compute capability "
-            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or higher (this run is on {_device_text(device)}); use "
-            "fp8_weight_only here, or run on such a GPU"
-        )
     names = lowbit_modules(model, variant, excluded, multiples_of_16=False)
     if not names:
         raise _no_modules(variant, model, f"quantize={quantize_description(variant.quantize)}")
@@ -201,6 +201,31 @@ def int8_matmul_exact() -> bool:
     except RuntimeError:
         return True  # no CPU int8 matmul at all: torchao falls back to another path
     return bool(torch.equal(product.long(), a.long() @ b.long()))
+
+
+def runnable_quantize_config(variant: Variant, device: torch.device) -> Any:
+    """The variant's torchao config, refused (NotSupportedHere) where its kernels cannot run on `device`."""
+    where = f"variant {variant.name!r}"
+    config = built_quantize_config(variant.quantize, where)
+    kind = type(config).__name__
+    if kind in FP8_MATMUL_CONFIGS and not fp8_native(device):
+        raise NotSupportedHere(
+            f"{where}: {kind} runs fp8 matmuls, which need CUDA of compute capability "
+            f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or higher (this run is on {_device_text(device)}); use "
+            "fp8_weight_only here, or run on such a GPU"
+        )
+    return config
+
+
+def check_runnable(variants: Iterable[Variant], device: torch.device) -> None:
+    """Before any run: every variant below 16 bits has what it needs here (torchao, a config torchao builds,
+    the kernels the device has), so that a comparison fails at once, not after the reference and other runs."""
+    for variant in variants:
+        if variant.fp8_training is not None:
+            import_torchao(f"variant {variant.name!r} (fp8 training)")
+        if variant.quantize is not None:
+            import_torchao(f"variant {variant.name!r} (quantize)")
+            runnable_quantize_config(variant, device)
 
 
 def _device_text(device: torch.device) -> str:
@@ -256,4 +281,12 @@ def dequantized(tensor: torch.Tensor) -> torch.Tensor:
     return dequantize().detach() if callable(dequantize) else tensor.detach()
 
 
-__all__ = ["LowbitApplied", "apply_lowbit", "dequantized", "fp8_native", "lowbit_modules", "storage_round_trip"]
+__all__ = [
+    "LowbitApplied",
+    "apply_lowbit",
+    "check_runnable",
+    "dequantized",
+    "fp8_native",
+    "lowbit_modules",
+    "storage_round_trip",
+]

@@ -28,7 +28,7 @@ def import_torchao(purpose: str) -> Any:
     except ImportError as error:
         raise ConfigurationError(
             f"{purpose} needs torchao, which is not installed ({error}): {LOWBIT_EXTRA} (the torchao version "
-            "tested with each torch is in docs/guide/low-bit.md)"
+            "tested with each torch is in docs/concepts/low-bit.md)"
         ) from None
 
 
@@ -162,8 +162,18 @@ def quantize_description(value: Any) -> str | None:
 
 
 def built_quantize_config(value: Any, where: str) -> Any:
-    """The torchao config object a normalised `quantize` stands for."""
-    return value.build(where) if isinstance(value, QuantizeConfig) else value
+    """The torchao config object a normalised `quantize` stands for; anything but a torchao config is refused."""
+    config = value.build(where) if isinstance(value, QuantizeConfig) else value
+    from torchao.core.config import AOBaseConfig
+
+    if not isinstance(config, AOBaseConfig):
+        _wrong_quantize(config, where)
+    return config
+
+
+def storage_format(value: Any) -> Any:
+    """A weight storage format given as text or as a torch dtype (torch.float8_e4m3fn), as text."""
+    return str(value).removeprefix("torch.") if value is not None and not isinstance(value, str) else value
 
 
 __all__ = [
@@ -175,4 +185,5 @@ __all__ = [
     "import_torchao",
     "quantize_description",
     "quantize_spec",
+    "storage_format",
 ]

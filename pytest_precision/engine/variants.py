@@ -17,6 +17,7 @@ from pytest_precision.engine.lowbit_formats import (
     QuantizeConfig,
     quantize_description,
     quantize_spec,
+    storage_format,
 )
 
 if TYPE_CHECKING:
@@ -71,8 +72,8 @@ class Variant:
         nn.Linear modules become torchao Float8Linear (emulated off CUDA of compute capability 8.9+).
     quantize: a torchao quantization config applied with torchao.quantization.quantize_ (forward only): the
         config object, its class name, or {"config": name, **kwargs}.
-    weight_storage: "float8_e4m3fn" or "float8_e5m2": nn.Linear weights round-tripped through that format,
-        scaled per tensor, as an fp8 checkpoint stores them.
+    weight_storage: "float8_e4m3fn" or "float8_e5m2" (or the torch dtype): nn.Linear weights round-tripped
+        through that format, scaled per tensor, as an fp8 checkpoint stores them.
     lowbit_filter: `(module, name) -> bool`, the modules the three above apply to; None: every nn.Linear but
         the output head and fp32_modules (see pytest_precision.engine.lowbit_build). Needs torchao for the
         first two: pip install "pytest-precision[lowbit]".
@@ -125,6 +126,7 @@ class Variant:
     def _check_lowbit(self) -> None:
         where = f"variant {self.name!r}"
         object.__setattr__(self, "quantize", quantize_spec(self.quantize, where))
+        object.__setattr__(self, "weight_storage", storage_format(self.weight_storage))
         if self.fp8_training is not None and self.fp8_training not in FP8_RECIPES:
             raise ConfigurationError(
                 f"{where}: fp8_training={self.fp8_training!r}; torchao's recipes are {', '.join(FP8_RECIPES)}"

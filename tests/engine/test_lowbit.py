@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 from typing import Any
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from conftest import random_tokens, tiny_llama
-from pytest_precision.base.errors import ConfigurationError, NotSupportedHere
+from pytest_precision.base.errors import ConfigurationError, ModelRunError, NotSupportedHere
 from pytest_precision.base.torchao_notices import TorchaoNotices
 from pytest_precision.engine.backend_flags import snapshot_backend_state
 from pytest_precision.engine.compare import compare
@@ -360,3 +361,224 @@ def test_the_int8_matmul_probe_finds_onednns_saturating_kernel() -> None:
     environment = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=True)
     assert result.stdout.strip() == "False"
+
+
+# --- hostile input ----------------------------------------------------------------------------------------------
+
+
+def test_a_storage_format_may_be_the_torch_dtype() -> None:
+    variant = Variant("v", dtype="bfloat16", weight_storage=torch.float8_e4m3fn)
+    assert variant.weight_storage == "float8_e4m3fn"
+    assert variant == Variant("v", dtype="bfloat16", weight_storage="float8_e4m3fn")
+
+
+def test_a_filter_that_raises_names_the_variant_and_the_module(llama: nn.Module) -> None:
+    def broken(module: nn.Module, name: str) -> bool:
+        raise KeyError(name)
+
+    variant = Variant("v", dtype="bfloat16", quantize="Int8WeightOnlyConfig", lowbit_filter=broken)
+    with pytest.raises(ModelRunError, match=r"variant 'v': lowbit_filter raised KeyError on module 'model'"):
+        compare(llama, batch(), [variant], backward=False)
+
+
+def test_a_quantize_object_that_is_no_torchao_config_is_refused(llama: nn.Module) -> None:
+    variant = Variant("v", dtype="bfloat16", quantize=object())
+    with pytest.raises(ConfigurationError, match=r"variant 'v': quantize must be a torchao config"):
+        compare(llama, batch(), [variant], backward=False)
+
+
+def test_a_sharded_model_is_refused_for_formats_below_16_bits(llama: nn.Module) -> None:
+    from pytest_precision.distributed.sharding import sharded
+
+    with pytest.raises(ConfigurationError, match=r"variant 'fp8_rowwise': formats below 16 bits are measured on unsh"):
+        build_run_model(sharded(llama, lambda model, variant: model), BUILTIN_VARIANTS["fp8_rowwise"], CPU)
+
+
+def test_nan_in_the_model_is_found_in_the_reference_before_any_low_bit_run() -> None:
+    model = tiny_llama(layers=2)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] = float("nan")
+    with pytest.raises(ModelRunError, match=r"the fp32 reference is not finite: NaN/Inf first appear in model\.layers"):
+        compare(model, batch(), ["fp8_rowwise"])
+
+
+def test_what_cannot_run_here_is_refused_before_the_reference_runs(llama: nn.Module, monkeypatch) -> None:
+    """A missing torchao, a config torchao lacks or fp8 matmuls on a CPU fail the comparison before any run."""
+    import pytest_precision.engine.compare as compare_module
+
+    def no_reference(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the reference ran")
+
+    monkeypatch.setattr(compare_module, "build_reference", no_reference)
+    with pytest.raises(NotSupportedHere, match="fp8 matmuls"):
+        compare(llama, batch(), ["bf16", "fp8_dynamic"])
+    with pytest.raises(ConfigurationError, match="torchao has no config 'NoSuchConfig'"):
+        compare(llama, batch(), ["bf16", Variant("v", dtype="bfloat16", quantize="NoSuchConfig")])
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    with pytest.raises(ConfigurationError, match=r"variant 'fp8_rowwise' \(fp8 training\) needs torchao"):
+        compare(llama, batch(), ["fp8_rowwise"])
+
+
+def test_quantize_tables_and_their_values_round_trip() -> None:
+    """A variants file's values: lists stay lists (inside a hashable spec), "torch.<name>" becomes the attribute,
+    a nested table becomes the torchao object; a table without a class name, or a config name that is not
+    text, is refused."""
+    from pytest_precision.engine.lowbit_formats import _frozen, _thawed
+
+    frozen = _frozen([1, [2, "torch.float8_e5m2"], {"config": "PerRow"}])
+    hash(frozen)
+    thawed = _thawed(frozen, "x")
+    assert thawed[:2] == [1, [2, torch.float8_e5m2]]
+    assert type(thawed[2]).__name__ == "PerRow"
+    spec = QuantizeConfig.from_mapping({"config": "Float8WeightOnlyConfig", "b": [1, 2], "a": "x"}, "here")
+    assert spec.describe() == "Float8WeightOnlyConfig(a='x', b=(1, 2))"
+    for bad in ({"config": 5}, {"config": ""}, {"group_size": 32}):
+        with pytest.raises(ConfigurationError, match=r"here: quantize as a table needs 'config'"):
+            QuantizeConfig.from_mapping(bad, "here")
+    no_class = {"config": "Float8WeightOnlyConfig", "granularity": {"dim": 1}}
+    with pytest.raises(ConfigurationError, match=r"here: a table among quantize's arguments needs 'config'"):
+        QuantizeConfig.from_mapping(no_class, "here").build("here")
+    with pytest.raises(ConfigurationError, match=r"here: quantize argument 'torch.float9' is not a torch attribute"):
+        _thawed("torch.float9", "here")
+
+
+def test_fp8_matmuls_are_native_from_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_precision.engine import lowbit_build
+
+    cuda = torch.device("cuda", 1)
+    asked: list[Any] = []
+    for capability, native in (((8, 6), False), ((8, 9), True), ((9, 0), True), ((12, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: asked.append(d) or c)
+        assert lowbit_build.fp8_native(cuda) is native, capability
+    assert asked == [cuda] * 4
+    assert lowbit_build.fp8_native(torch.device("cpu")) is False
+
+
+def test_on_fp8_hardware_the_recipe_runs_torchaos_kernels_not_its_emulation(
+    llama: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchao.float8.float8_linear import Float8Linear
+
+    from pytest_precision.engine import lowbit_build
+
+    monkeypatch.setattr(lowbit_build, "fp8_native", lambda device: True)
+    model = build_run_model(llama, BUILTIN_VARIANTS["fp8_rowwise"], CPU)  # built only: a CPU has no fp8 matmuls
+    converted = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert converted and all(not m.config.emulate for m in converted)
+    assert lowbit_build.APPLIED_FORMATS[model].kernels == "native"
+
+
+def test_the_filter_is_asked_with_the_module_and_modules_past_a_refused_one_are_asked_too() -> None:
+    model = nn.Sequential(nn.Linear(40, 32), nn.ReLU(), nn.Linear(32, 48), nn.Linear(48, 16))
+    variant = Variant(
+        "v", dtype="bfloat16", quantize="Int8WeightOnlyConfig", lowbit_filter=lambda m, n: m.out_features > 20
+    )
+    with pytest.raises(ModelRunError, match=r"module '1': 'ReLU' object has no attribute"):  # given the module
+        lowbit_modules(model, variant, [], multiples_of_16=False)
+    linear_only = dataclasses.replace(
+        variant, lowbit_filter=lambda m, n: isinstance(m, nn.Linear) and m.out_features > 20
+    )
+    assert lowbit_modules(model, linear_only, [], multiples_of_16=False) == ["0", "2"]
+    assert lowbit_modules(model, BUILTIN_VARIANTS["fp8_rowwise"], [], multiples_of_16=True) == ["2", "3"]
+
+
+def test_a_conversion_torchao_refuses_is_a_model_run_error(llama: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchao.float8
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("no fp8 here")
+
+    monkeypatch.setattr(torchao.float8, "convert_to_float8_training", refuse)
+    message = r"variant 'fp8_rowwise': torchao's convert_to_float8_training raised ValueError: no fp8 here"
+    with pytest.raises(ModelRunError, match=message):
+        build_run_model(llama, BUILTIN_VARIANTS["fp8_rowwise"], CPU)
+
+
+def test_the_report_header_says_what_each_format_ran(report: Any) -> None:
+    header = report.format(full=False).split("\n\n")[0].splitlines()
+    version = torchao.__version__
+    int8_dynamic = "native"
+    if not int8_matmul_exact():
+        int8_dynamic = "native, inexact int8 matmuls (oneDNN without VNNI: torch._int_mm saturates)"
+    assert header[1:] == [
+        f"  fp8_tensorwise: fp8 training, tensorwise recipe, emulated, torchao {version}, 28 module(s)",
+        f"  fp8_rowwise: fp8 training, rowwise recipe, emulated, torchao {version}, 28 module(s)",
+        f"  fp8_rowwise_gw_hp: fp8 training, rowwise_with_gw_hp recipe, emulated, torchao {version}, 28 module(s)",
+        f"  int8_weight_only: quantized inference, Int8WeightOnlyConfig(), native, torchao {version}, 28 module(s)",
+        "  int8_dynamic: quantized inference, Int8DynamicActivationInt8WeightConfig(), "
+        f"{int8_dynamic}, torchao {version}, 28 module(s)",
+        f"  fp8_weight_only: quantized inference, Float8WeightOnlyConfig(), native, torchao {version}, 28 module(s)",
+        "  fp8_e4m3_weights: fp8 weight storage, float8_e4m3fn scaled per tensor, plain casts, 28 module(s)",
+        "  fp8_e5m2_weights: fp8 weight storage, float8_e5m2 scaled per tensor, plain casts, 28 module(s)",
+    ]  # bf16, first, has no line
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [("int8_weight_only", "quantize=Int8WeightOnlyConfig()"), ("fp8_e4m3_weights", "weight_storage=float8_e4m3fn")],
+)
+def test_no_module_to_quantize_or_store_is_refused(name: str, what: str) -> None:
+    model = nn.Sequential(nn.Embedding(10, 8))
+    with pytest.raises(ConfigurationError, match=rf"variant '{name}': no module of Sequential takes {re.escape(what)}"):
+        build_run_model(model, BUILTIN_VARIANTS[name], CPU)
+
+
+@pytest.mark.parametrize("name", ["int8_weight_only", "fp8_e4m3_weights"])
+def test_quantize_and_storage_take_any_linear_shape(name: str) -> None:
+    """Only fp8 training needs dimensions that are multiples of 16."""
+    from pytest_precision.engine.lowbit_build import APPLIED_FORMATS
+
+    model = build_run_model(nn.Sequential(nn.Linear(40, 24), nn.Tanh(), nn.Linear(24, 8)), BUILTIN_VARIANTS[name], CPU)
+    assert APPLIED_FORMATS[model].modules == ("0", "2")
+
+
+def test_storage_skips_chosen_modules_without_a_weight() -> None:
+    variant = Variant("v", dtype="bfloat16", weight_storage="float8_e5m2", lowbit_filter=lambda m, n: True)
+    reference = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    model = build_run_model(reference, variant, CPU)
+    assert torch.equal(model[0].weight, storage_round_trip(reference[0].weight.detach().bfloat16(), torch.float8_e5m2))
+
+
+def test_an_empty_quantize_name_is_refused() -> None:
+    with pytest.raises(ConfigurationError, match=r"variant 'v': quantize must be a torchao config.*got ''"):
+        Variant("v", dtype="bfloat16", quantize="")
+
+
+def test_an_unknown_config_lists_torchaos_configs_only() -> None:
+    with pytest.raises(ConfigurationError) as error:
+        QuantizeConfig("Int3Config").build("here")
+    configs = str(error.value).partition("its configs: ")[2].split(", ")
+    assert "Int8WeightOnlyConfig" in configs and all(c.endswith("Config") and not c.startswith("_") for c in configs)
+    nested = QuantizeConfig.from_mapping(
+        {"config": "Int8WeightOnlyConfig", "granularity": {"config": "PerGroup", "group_size": 32}}, "x"
+    )
+    assert nested.describe() == "Int8WeightOnlyConfig(granularity=PerGroup(group_size=32))"
+
+
+def test_fp8_matmuls_on_an_older_gpu_name_its_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_precision.engine.lowbit_build import runnable_quantize_config
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    with pytest.raises(NotSupportedHere, match=r"this run is on cuda of compute capability 8\.6\)"):
+        runnable_quantize_config(BUILTIN_VARIANTS["fp8_dynamic"], torch.device("cuda", 0))
+
+
+def test_a_wrapped_quantized_weight_is_dequantized_through_the_weight_it_wraps() -> None:
+    """torchao < 0.13 wraps int8-dynamic weights (LinearActivationQuantizedTensor) around the quantized weight,
+    and the wrapper has no dequantize of its own."""
+    from pytest_precision.engine.lowbit_build import dequantized
+
+    class Quantized(torch.Tensor):
+        def dequantize(self) -> torch.Tensor:  # type: ignore[override]
+            return torch.full(self.shape, 2.0)
+
+    class Wrapper(torch.Tensor):
+        original_weight_tensor: torch.Tensor
+
+    inner = torch.Tensor._make_subclass(Quantized, torch.zeros(2, 3))
+    outer = torch.Tensor._make_subclass(Wrapper, torch.zeros(2, 3))
+    outer.original_weight_tensor = inner
+    assert torch.equal(dequantized(outer), torch.full((2, 3), 2.0))
+    assert torch.equal(dequantized(inner), torch.full((2, 3), 2.0))
+    plain = nn.Parameter(torch.ones(2))
+    assert torch.equal(dequantized(plain), plain.detach()) and not dequantized(plain).requires_grad
