@@ -1,10 +1,10 @@
 """Apply a variant's format below 16 bits to its run's model, as production does: torchao's float8 training
 (`convert_to_float8_training`), torchao's quantized inference (`quantize_`), or fp8 weight storage round trips.
 
-Which modules take the format: those the variant's `lowbit_filter(module, name)` accepts when given (asked about
-every module: quantize_ configs exist for embeddings too; fp8 training asks about nn.Linear modules only), else
-every `nn.Linear` (for fp8 training only those whose two dimensions are multiples of 16, torchao's hardware
-rule); in both cases never the output head (torchao's recipes keep it in high precision) nor a module of
+Which modules take the format: by default every `nn.Linear` but the output head (torchao's recipes keep it in
+high precision), for fp8 training only those whose two dimensions are multiples of 16 (torchao's hardware rule);
+with the variant's `lowbit_filter(module, name)`, those it accepts (asked about every module, the head included:
+quantize_ configs exist for embeddings too; fp8 training asks about nn.Linear modules only). Never a module of
 `fp32_modules`.
 """
 
@@ -114,7 +114,7 @@ def apply_lowbit(
     model: nn.Module, variant: Variant, device: torch.device, excluded: Collection[str]
 ) -> LowbitApplied | None:
     """Give `model` the variant's format below 16 bits (None: the variant has none). `excluded`: module names
-    kept in high precision (the head, fp32_modules)."""
+    kept in high precision (fp32_modules, and the head unless the variant has a filter)."""
     if variant.fp8_training is not None:
         return _fp8_training(model, variant, device, excluded)
     if variant.quantize is not None:

@@ -338,10 +338,11 @@ def build_run_model(
     modules = dict(model.named_modules())
     for name in fp32_names:
         compute_in_fp32(modules[name], device.type, keep_output_fp32=name == head)
+    applied = None
     if variant.lowbit:
-        applied = apply_lowbit(model, variant, device, [*fp32_names, *([head] if head is not None else [])])
-        if applied is not None:
-            APPLIED_FORMATS[model] = applied
+        # The head stays high precision unless the variant's own filter takes it; fp32_modules always do.
+        kept = [*fp32_names, *([head] if head is not None and variant.lowbit_filter is None else [])]
+        applied = apply_lowbit(model, variant, device, kept)
     if variant.prepare is not None:
         try:
             prepared = variant.prepare(model)
@@ -352,4 +353,6 @@ def build_run_model(
                 f"variant {variant.name!r}: prepare returned {type(prepared).__name__}; it must return the model"
             )
         model = prepared
+    if applied is not None:
+        APPLIED_FORMATS[model] = applied
     return model

@@ -3,6 +3,7 @@ storage round trips, built as production builds them and measured like any varia
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import math
@@ -582,3 +583,23 @@ def test_a_wrapped_quantized_weight_is_dequantized_through_the_weight_it_wraps()
     assert torch.equal(dequantized(inner), torch.full((2, 3), 2.0))
     plain = nn.Parameter(torch.ones(2))
     assert torch.equal(dequantized(plain), plain.detach()) and not dequantized(plain).requires_grad
+
+
+def test_a_filter_may_take_the_head_and_fp32_modules_stay_out(llama: nn.Module) -> None:
+    from pytest_precision.engine.lowbit_build import APPLIED_FORMATS
+
+    every_linear = Variant(
+        "v", dtype="bfloat16", quantize="Int8WeightOnlyConfig", lowbit_filter=lambda m, n: isinstance(m, nn.Linear)
+    )
+    model = build_run_model(llama, every_linear, CPU)
+    assert "lm_head" in APPLIED_FORMATS[model].modules and type(model.lm_head.weight) is not nn.Parameter
+    kept = dataclasses.replace(every_linear, fp32_modules=("lm_head",))
+    assert "lm_head" not in APPLIED_FORMATS[build_run_model(llama, kept, CPU)].modules
+
+
+def test_a_prepare_callable_after_the_format_keeps_the_report_line(llama: nn.Module) -> None:
+    from pytest_precision.engine.lowbit_build import APPLIED_FORMATS
+
+    wrapped = Variant("v", dtype="bfloat16", weight_storage="float8_e4m3fn", prepare=lambda model: copy.copy(model))
+    model = build_run_model(llama, wrapped, CPU)
+    assert APPLIED_FORMATS[model].kernels == "plain casts"
