@@ -80,7 +80,7 @@ def fp8_native(device: torch.device) -> bool:
 def lowbit_modules(
     model: nn.Module, variant: Variant, excluded: Collection[str], *, multiples_of_16: bool
 ) -> list[str]:
-    """The names of the `nn.Linear` modules that take the variant's format (see the module docstring)."""
+    """The names of the modules that take the variant's format (see the module docstring)."""
     from torch import nn
 
     def outside(name: str) -> bool:

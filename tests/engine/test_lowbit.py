@@ -384,7 +384,7 @@ def test_a_filter_that_raises_names_the_variant_and_the_module(llama: nn.Module)
 
 def test_a_quantize_object_that_is_no_torchao_config_is_refused(llama: nn.Module) -> None:
     variant = Variant("v", dtype="bfloat16", quantize=object())
-    with pytest.raises(ConfigurationError, match=r"variant 'v': quantize must be a torchao config"):
+    with pytest.raises(ConfigurationError, match=r"variant 'v': quantize must be a torchao config.*got <object obj"):
         compare(llama, batch(), [variant], backward=False)
 
 
@@ -441,6 +441,9 @@ def test_quantize_tables_and_their_values_round_trip() -> None:
         QuantizeConfig.from_mapping(no_class, "here").build("here")
     with pytest.raises(ConfigurationError, match=r"here: quantize argument 'torch.float9' is not a torch attribute"):
         _thawed("torch.float9", "here")
+    for nested in ([1, "torch.float9"], [{"config": "NoSuchGranularity"}]):  # `where` reaches nested values
+        with pytest.raises(ConfigurationError, match=r"^here: "):
+            _thawed(_frozen(nested), "here")
 
 
 def test_fp8_matmuls_are_native_from_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -559,9 +562,11 @@ def test_an_unknown_config_lists_torchaos_configs_only() -> None:
 def test_fp8_matmuls_on_an_older_gpu_name_its_compute_capability(monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_precision.engine.lowbit_build import runnable_quantize_config
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 6))
+    asked: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: asked.append(device) or (8, 6))
     with pytest.raises(NotSupportedHere, match=r"this run is on cuda of compute capability 8\.6\)"):
-        runnable_quantize_config(BUILTIN_VARIANTS["fp8_dynamic"], torch.device("cuda", 0))
+        runnable_quantize_config(BUILTIN_VARIANTS["fp8_dynamic"], torch.device("cuda", 3))
+    assert asked and all(device == torch.device("cuda", 3) for device in asked)
 
 
 def test_a_wrapped_quantized_weight_is_dequantized_through_the_weight_it_wraps() -> None:
