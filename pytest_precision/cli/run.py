@@ -290,6 +290,7 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
     run."""
     from pytest_precision.cli.checkpoint import checked_device, open_checkpoint, quiet_transformers
     from pytest_precision.cli.progress_printer import ProgressPrinter
+    from pytest_precision.engine.lowbit_build import check_runnable
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -298,6 +299,7 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
         input_shape(options)  # refuse bad shapes now, not after hashing the weights and loading the reference
     device = checked_device(options.device)
     check_backends(variants, device)
+    check_runnable(variants, device)  # torchao, its configs, fp8 matmuls: before the reference runs
     claim = _check_files(options)
     planned: list[tuple[Role, str]] = [("variant", v.name) for v in variants]
     if options.reference is None:

@@ -647,6 +647,17 @@ def test_bad_tokens_are_refused_up_front_naming_only_the_options_given(tmp_path:
     assert with_reference.code == 2 and with_reference.err == given.err  # no hashing line, no word on the file
 
 
+def test_fp8_matmuls_on_a_cpu_are_refused_before_the_reference_runs() -> None:
+    pytest.importorskip("torchao", reason="the lowbit extra (torchao) is not installed")
+    result = run(TINY_LLAMA_DIR, "--variants", "bf16,fp8_dynamic", "--length", "8")
+    assert result.code == 2 and result.progress == []
+    assert result.error == (
+        "pytest-precision run: variant 'fp8_dynamic': Float8DynamicActivationFloat8WeightConfig runs fp8 matmuls, "
+        "which need CUDA of compute capability 8.9 or higher (this run is on cpu); use fp8_weight_only here, or run "
+        "on such a GPU"
+    )
+
+
 def test_an_unknown_variant_points_to_the_variants_file(tmp_path: Path) -> None:
     result = run(TINY_LLAMA_DIR, "--variants", "bf16,bf17")
     assert result.code == 2
