@@ -339,6 +339,8 @@ def test_two_runs_started_together_into_one_new_folder_never_mix_their_files(tmp
         (
             f"pytest-precision run: another pytest-precision run (pid {processes[winner].pid} on {HOST}, started ",
             f"pytest-precision run: --output-dir {output} is not empty: ",  # the winner had ended already
+            # the winner's claim file was there, its pid not yet written in it
+            f"pytest-precision run: another pytest-precision run (one starting just now) is writing {output}; ",
         )
     ), err
     # Every file is the winner's: its variant, and the inputs its seed makes.
