@@ -12,7 +12,7 @@ from pytest_precision.distributed import ranks as distributed
 from pytest_precision.distributed.sharding import ShardedModel
 from pytest_precision.engine.capture import GRADIENT_KINDS, LOGITS_KIND, WEIGHT_KIND
 from pytest_precision.engine.fingerprint import state_checksum
-from pytest_precision.engine.isolation import ambient_modes_off, default_device, preserved_rng
+from pytest_precision.engine.isolation import ambient_modes_off, comparison_device, preserved_rng
 from pytest_precision.engine.losses import LossFn, LossScale, loss_scale_for
 from pytest_precision.engine.lowbit_build import check_runnable
 from pytest_precision.engine.progress import ProgressCallback, RunProgress, checked_callback
@@ -245,11 +245,7 @@ def compare(
             # Arrangements compare another way of running the same tokens, forward only: not isolated.
             variant_list = [v if v.arrangement else dataclasses.replace(v, isolate=True) for v in variant_list]
     if any(v.lowbit for v in variant_list):
-        import torch
-
-        unsharded = model.model if isinstance(model, ShardedModel) else model
-        where = model.device if isinstance(model, Reference) else device or default_device(unsharded)
-        check_runnable(variant_list, torch.device(where))
+        check_runnable(variant_list, model.device if isinstance(model, Reference) else comparison_device(model, device))
     if isinstance(model, Reference):
         return measure(
             model,

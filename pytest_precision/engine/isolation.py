@@ -27,6 +27,17 @@ def default_device(model: object) -> torch.device:
     return torch.device("cpu")
 
 
+def comparison_device(model: object, device: str | torch.device | None) -> torch.device:
+    """Where a comparison runs: `device` when given, else default_device of the model (a sharded model's own)."""
+    import torch
+
+    from pytest_precision.distributed.sharding import ShardedModel
+
+    if device is not None:
+        return torch.device(device)
+    return default_device(model.model if isinstance(model, ShardedModel) else model)
+
+
 @contextlib.contextmanager
 def preserved_rng(device: torch.device) -> Iterator[None]:
     """Restore torch's (CPU and the run's device), Python's and NumPy's global RNG state on exit."""

@@ -17,7 +17,7 @@ from pytest_precision.distributed.sharding import ShardedModel
 from pytest_precision.engine.batch import to_batch
 from pytest_precision.engine.capture import GRADIENT_KINDS, LOGITS_KIND, TensorKey, floating_tensors
 from pytest_precision.engine.fingerprint import cache_key, state_checksum
-from pytest_precision.engine.isolation import ambient_modes_off, default_device, preserved_rng
+from pytest_precision.engine.isolation import ambient_modes_off, comparison_device, preserved_rng
 from pytest_precision.engine.losses import LossFn
 from pytest_precision.engine.progress import ProgressCallback, RunProgress, checked_callback
 from pytest_precision.engine.references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
@@ -107,7 +107,6 @@ def build_reference(
     this model, with the same parameter values, inputs and settings. Under torch.distributed, a failure on any
     rank fails every rank alike (see distributed.failures_shared). `progress`: see progress.py; the reference
     is run 1 of `progress_total` (a cache hit sends no event)."""
-    import torch
     from torch import nn
 
     check_model(model)
@@ -121,7 +120,7 @@ def build_reference(
     reference_variant = resolve_reference(reference)
     batch = to_batch(inputs)
     unsharded = model.model if isinstance(model, ShardedModel) else model
-    run_device = torch.device(device) if device is not None else default_device(unsharded)
+    run_device = comparison_device(model, device)
     offload = _default_offload(model, run_device) if offload is None else bool(offload)
     if isinstance(unsharded, nn.Module):
         _warn_low_precision_weights(unsharded, reference_variant)
