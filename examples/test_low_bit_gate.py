@@ -29,8 +29,9 @@ def test_tiny_llama_fp8_training(precision, assert_precision_within, batch):
 
 
 def test_tiny_llama_quantized_inference(precision, assert_precision_within, batch):
-    # Forward only: fw, logprob and loss rows; the weights' rows show each dequantized weight's error.
-    variants = ["int8_weight_only", "int8_dynamic", "fp8_weight_only", "fp8_e4m3_weights"]
+    # Forward only: fw, logprob and loss rows; the weights' rows show each dequantized weight's error. Not
+    # int8_dynamic: whether a CPU's int8 matmul is exact depends on the CPU (see docs/concepts/low-bit.md).
+    variants = ["int8_weight_only", "fp8_weight_only", "fp8_e4m3_weights"]
     report = precision.run(load_tiny_llama, batch, variants=variants, weight_cast=True)
     assert_precision_within(report)
     # int8 per-row weights keep more than fp8's 3 mantissa bits: less error at the output.

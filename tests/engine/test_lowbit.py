@@ -355,13 +355,23 @@ def test_importing_transformers_beside_torchao_prints_nothing_after_the_plugin()
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="oneDNN's ISA limit is x86's")
-def test_the_int8_matmul_probe_finds_onednns_saturating_kernel() -> None:
-    """Limited to AVX2 (no VNNI), oneDNN's int8 gemm sums product pairs in saturating int16: the probe says so,
-    and int8_dynamic's report line then says its matmuls are inexact (this repository's conftest pins AVX2)."""
-    code = "from pytest_precision.engine.lowbit_build import int8_matmul_exact; print(int8_matmul_exact())"
+def test_the_int8_matmul_probe_agrees_with_an_exact_product_on_other_operands() -> None:
+    """Limited to AVX2, an Intel CPU with VNNI runs oneDNN's int8 gemm, which sums product pairs in saturating int16;
+    an AMD CPU without VNNI runs an exact one: whichever this CPU runs, the probe says what a larger, independent
+    full-range product (checked in int64 NumPy) shows (this repository's conftest pins AVX2)."""
+    code = (
+        "import numpy as np, torch\n"
+        "from pytest_precision.engine.lowbit_build import int8_matmul_exact\n"
+        "g = torch.Generator().manual_seed(7)\n"
+        "a = torch.randint(-128, 128, (64, 256), dtype=torch.int8, generator=g)\n"
+        "b = torch.randint(-128, 128, (256, 64), dtype=torch.int8, generator=g)\n"
+        "exact = np.array_equal(torch._int_mm(a, b).numpy(), a.numpy().astype(np.int64) @ b.numpy().astype(np.int64))\n"
+        "print(int8_matmul_exact(), exact)"
+    )
     environment = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, check=True)
-    assert result.stdout.strip() == "False"
+    probe, exact = result.stdout.split()[-2:]
+    assert probe == exact
 
 
 # --- hostile input ----------------------------------------------------------------------------------------------
