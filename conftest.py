@@ -31,6 +31,10 @@ TINY_LLAMA_DIR = ROOT / "tests" / "data" / "tiny-llama"
 #: its next-token distributions are peaked like a real model's, unlike random weights'.
 TRAINED_LM_DIR = ROOT / "tests" / "data" / "tiny-trained-lm"
 
+#: A tiny byte-level Qwen3-MoE (8 experts, top-2) trained with that recipe (tests/data/tiny-trained-moe/TRAINING.md):
+#: its routers prefer experts with a margin, unlike random routers, whose top-k choices are near-ties.
+TRAINED_MOE_DIR = ROOT / "tests" / "data" / "tiny-trained-moe"
+
 VOCAB_SIZE = 256
 
 
@@ -98,6 +102,101 @@ def tiny_qwen2(*, seed: int = 0, tied: bool = True, layers: int = 3) -> Any:
         attn_implementation="eager",
     )
     return _seeded(config, Qwen2ForCausalLM, seed)
+
+
+#: The mixture-of-experts families tiny_moe builds (transformers >= 5: routers are modules of their own).
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
+
+
+def tiny_moe(family: str = "qwen3_moe", *, seed: int = 0, layers: int = 2, experts: int = 8, top_k: int = 2) -> Any:
+    """A 2-layer mixture-of-experts causal LM of `family` (hidden 64, vocabulary 256) with random weights; a
+    DeepSeek-V3 one routes with 4 expert groups, 2 of them per token, and a bias correction."""
+    import transformers
+
+    common: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "attn_implementation": "eager",
+    }
+    if family == "qwen3_moe":
+        config: Any = transformers.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        )
+        model_class: Any = transformers.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        config = transformers.MixtralConfig(**common, num_local_experts=experts, num_experts_per_tok=top_k)
+        model_class = transformers.MixtralForCausalLM
+    elif family == "olmoe":
+        config = transformers.OlmoeConfig(**common, num_experts=experts, num_experts_per_tok=top_k)
+        model_class = transformers.OlmoeForCausalLM
+    elif family == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            **common,
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+        )
+        model_class = transformers.Qwen2MoeForCausalLM
+    elif family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},
+            n_routed_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=0,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            routed_scaling_factor=2.5,
+        )
+        model_class = transformers.DeepseekV3ForCausalLM
+    else:
+        raise ValueError(f"tiny_moe: unknown family {family!r}; one of {', '.join(MOE_FAMILIES)}")
+    model = _seeded(config, model_class, seed)
+    if family == "deepseek_v3":  # a bias correction as training leaves it: not zero
+        import torch
+
+        generator = torch.Generator().manual_seed(seed + 1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
+    return model
+
+
+def _transformers_major() -> int:
+    from importlib.metadata import version
+
+    return int(version("transformers").split(".")[0])
+
+
+#: transformers >= 5 made MoE routers modules of their own, which the plugin finds; 4.x computes top-k inside the
+#: MoE block (and stores experts under other names than the committed trained MoE).
+requires_transformers_routers = pytest.mark.skipif(
+    _transformers_major() < 5, reason="routing rows of transformers' MoE models need transformers >= 5"
+)
+
+
+def load_trained_moe(dtype: Any = None, device: Any = "cpu") -> Any:
+    """The committed trained tiny MoE (Qwen3-MoE), loaded like a checkpoint; usable as a model factory."""
+    return _load_checkpoint(TRAINED_MOE_DIR, dtype, device)
 
 
 def _load_checkpoint(path: Path, dtype: Any, device: Any) -> Any:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pytest_precision.engine.progress import ProgressEvent
     from pytest_precision.engine.reference_run import LowPrecisionReferenceWarning, reference
     from pytest_precision.engine.references import Reference, ReferenceCache
+    from pytest_precision.engine.routers import Routers
     from pytest_precision.engine.variants import BUILTIN_VARIANTS, Variant
     from pytest_precision.numbers.metrics import tensor_error
     from pytest_precision.plugin.assertion import assert_precision_within
@@ -58,6 +59,7 @@ _EXPORTS = {
     "ProgressEvent": "engine.progress",
     "Reference": "engine.references",
     "ReferenceCache": "engine.references",
+    "Routers": "engine.routers",
     "reference": "engine.reference_run",
     "PrecisionReport": "reports.report",
     "Record": "base.records",
@@ -82,6 +84,7 @@ __all__ = [
     "Record",
     "Reference",
     "ReferenceCache",
+    "Routers",
     "ShardedModel",
     "TensorError",
     "Variant",

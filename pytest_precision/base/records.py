@@ -59,6 +59,14 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
     "ppl_ratio": "unit",
     "ppl_ratio_se": "lower",
     "ln_ppl_corr": "higher",
+    # Routing rows of mixture-of-experts routers (kind "routing", see numbers/routing.py).
+    "expert_agreement": "higher",
+    "top1_changed": "lower",
+    "experts_changed": "lower",
+    "load_shift": "lower",
+    "flip_margin_median": "lower",
+    "flip_margin_max": "lower",
+    "margin_median": "lower",
     # Cross-engine decomposition delta = floor + (e_a - e_b), see cross_engine.py.
     "rho": "higher",
     "rms_e_a": "lower",
@@ -101,6 +109,20 @@ TOKEN_STAT_METRICS: tuple[str, ...] = (
 #: The Δp location statistics among them: signed, gated by magnitude.
 DP_LOCATION_METRICS = ("dp_mean", "dp_p1", "dp_p5", "dp_p95", "dp_p99", "dp_min", "dp_max")
 
+#: The routing metrics of routing rows (numbers.routing.RoutingStats).
+ROUTING_METRICS: tuple[str, ...] = (
+    "expert_agreement",
+    "top1_changed",
+    "experts_changed",
+    "load_shift",
+    "flip_margin_median",
+    "flip_margin_max",
+    "margin_median",
+)
+#: Routing metrics a routing row is always gated on, whatever metrics the gate is given: a flipped expert is the
+#: error a routing row exists to catch (its rms_rel covers the weights of the tokens whose experts agree).
+ROUTING_GATED_METRICS: tuple[str, ...] = ("expert_agreement", "experts_changed")
+
 #: Metrics only some records carry (log-probability rows); None elsewhere and left out of their JSON.
 OPTIONAL_METRICS: tuple[str, ...] = (
     "delta_mean",
@@ -115,6 +137,7 @@ OPTIONAL_METRICS: tuple[str, ...] = (
     "kl_max",
     "top1_agreement",
     *TOKEN_STAT_METRICS,
+    *ROUTING_METRICS,
     "rho",
     "rms_e_a",
     "rms_e_b",
@@ -128,7 +151,7 @@ OPTIONAL_METRICS: tuple[str, ...] = (
 )
 
 #: Metrics describing the reference rather than an error: never gated.
-DESCRIPTIVE_METRICS = frozenset({"ref_rms"})
+DESCRIPTIVE_METRICS = frozenset({"ref_rms", "margin_median"})
 
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
 SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean", *DP_LOCATION_METRICS})
@@ -172,7 +195,21 @@ METRIC_NAMES: tuple[str, ...] = tuple(f.name for f in fields(TensorError) if f.n
 
 #: Propagated kinds, the parameters' cast ("weight_cast", compare(weight_cast=True): next to the gradients, one row
 #: per parameter), then the isolated ones (see pytest_precision.engine.isolated).
-KINDS = ("fw", "logprob", "loss", "bw", "grad", "weight_cast", "fw_isolated", "bw_isolated", "grad_isolated")
+#: Routing rows (a mixture-of-experts router's expert choice) come first: a router's flip is where an MoE's error
+#: jumps, and the first failing row a gate names should be the flipped router, not the blocks after it.
+KINDS = (
+    "routing",
+    "fw",
+    "logprob",
+    "loss",
+    "bw",
+    "grad",
+    "weight_cast",
+    "routing_isolated",
+    "fw_isolated",
+    "bw_isolated",
+    "grad_isolated",
+)
 
 
 def kind_rank(kind: str) -> int:
@@ -222,6 +259,15 @@ class Record(TensorError):
     ppl_ratio: float | None = None
     ppl_ratio_se: float | None = None
     ln_ppl_corr: float | None = None
+    # Routing rows only (numbers.routing.RoutingStats); their error metrics are those of the routing weights on the
+    # tokens whose experts agree.
+    expert_agreement: float | None = None
+    top1_changed: float | None = None
+    experts_changed: float | None = None
+    load_shift: float | None = None
+    flip_margin_median: float | None = None
+    flip_margin_max: float | None = None
+    margin_median: float | None = None
     # Cross-engine rows only: the error decomposition against each side's own reference.
     rho: float | None = None
     rms_e_a: float | None = None
@@ -331,6 +377,13 @@ class ReportData:
     token_logprobs: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     reference_logprobs: Any = field(default=None, repr=False, compare=False)
     logprob_mask: Any = field(default=None, repr=False, compare=False)
+    #: For a mixture-of-experts model, in memory only: each run's routing tensors by router label (the reference's
+    #: apart), the flat indices of the positions that count (None: all), and per variant and router the
+    #: reference's margins of the tokens whose experts changed; see routing_mismatch and engine/routers.py.
+    routing_choices: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    reference_routing: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    routing_index: Any = field(default=None, repr=False, compare=False)
+    flip_margins: dict[str, dict[str, list[float]]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def variants(self) -> list[str]:

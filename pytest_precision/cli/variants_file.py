@@ -16,6 +16,7 @@ an array of tables `[[variants]]`. Each entry takes the fields of Variant that n
     quantize             a torchao config: its class name, or {"config": "Int4WeightOnlyConfig", "group_size": 32}
                          (an argument may be {"config": "PerRow"}, another torchao object, or "torch.float8_e4m3fn")
     weight_storage       "float8_e4m3fn" or "float8_e5m2" (weights round-tripped, scaled per tensor)
+    replay_routing       true (the reference's MoE routing) or the name of an earlier variant of the file
 
 Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry.
 """
@@ -45,6 +46,7 @@ FILE_FIELDS: dict[str, str] = {
     "fp8_training": "one of tensorwise, rowwise, rowwise_with_gw_hp",
     "quantize": 'a torchao config class name, or an object {"config": name, ...its keyword arguments}',
     "weight_storage": "one of float8_e4m3fn, float8_e5m2",
+    "replay_routing": "true, false or the name of an earlier variant",
 }
 #: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
@@ -198,6 +200,10 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
             if entry[field] not in choices or not isinstance(entry[field], str):
                 raise wrong(field)
             fields[field] = entry[field]
+    if "replay_routing" in entry:
+        if not isinstance(entry["replay_routing"], (bool, str)) or entry["replay_routing"] == "":
+            raise wrong("replay_routing")
+        fields["replay_routing"] = entry["replay_routing"]
     if "quantize" in entry:
         value = entry["quantize"]
         if isinstance(value, str) and value:

@@ -246,7 +246,7 @@ class Assembler:
 
     def __call__(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         """The sink of one call's tensors (placed when the call ends)."""
-        if kind == "fw" or kind == "logits":
+        if kind in ("fw", "logits", "routing"):
             self.pending.append((name, kind, tensor.detach()))
 
     def place(self, call: Call, call_rows: int, call_length: int) -> None:

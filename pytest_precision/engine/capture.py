@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.engine.routers import ROUTING_KIND, Router, packed, replay_indices, routing_grid
 
 if TYPE_CHECKING:
     import torch
@@ -157,10 +158,19 @@ class CallCounts(dict[str, int]):
 
 @contextlib.contextmanager
 def capture(
-    model: nn.Module, module_names: Sequence[str], sink: Sink, *, backward: bool, parameter_grads: bool = True
+    model: nn.Module,
+    module_names: Sequence[str],
+    sink: Sink,
+    *,
+    backward: bool,
+    parameter_grads: bool = True,
+    routers: Mapping[str, Router] | None = None,
+    replay: Mapping[str, torch.Tensor] | None = None,
 ) -> Iterator[CallCounts]:
     """Stream fw, bw and grad tensors of `model` to `sink(name, kind, tensor)` while inside the block (the
-    parameters' gradients only with `parameter_grads`: else the caller reads them after backward)."""
+    parameters' gradients only with `parameter_grads`: else the caller reads them after backward), and each of
+    `routers`' choices as a "routing" tensor (see routers.py). With `replay` (routing tensors by router label), each
+    router chooses the experts recorded there instead of its own, its weights computed from its own scores."""
     modules = dict(model.named_modules())
     missing = [name for name in module_names if name not in modules]
     if missing:
@@ -192,11 +202,53 @@ def capture(
 
         return before, after
 
+    def make_router_hooks(router: Router) -> tuple[Callable[..., None], Callable[..., Any]]:
+        grid: list[tuple[int, int] | None] = [None]
+
+        def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if router.name not in module_names:
+                calls[router.name] = calls.get(router.name, -1) + 1
+            grid[0] = routing_grid(args, kwargs) or parent_grid.get(router.name)
+
+        def after(_module: nn.Module, _args: Any, output: Any) -> Any:
+            row = label(router.name)
+            if replay is not None:
+                recorded = replay.get(row)
+                if recorded is None:
+                    raise ConfigurationError(
+                        f"routing replay: router {row!r} has no recorded routing to replay (the recorded run's routers "
+                        f"are {', '.join(replay) or 'none'}); replay needs the same model"
+                    )
+                choice = router.read(output)
+                output = router.replayed(output, replay_indices(recorded, choice.indices.shape[0]))
+            sink(row, ROUTING_KIND, packed(router.read(output), grid[0]))
+            return output
+
+        return before, after
+
+    parent_grid: dict[str, tuple[int, int] | None] = {}
+
+    def make_parent_hook(router_name: str) -> Callable[..., None]:
+        def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            parent_grid[router_name] = routing_grid(args, kwargs)
+
+        return before
+
     try:
         for name in module_names:
             before, after = make_hooks(name)
             handles.append(modules[name].register_forward_pre_hook(before, with_kwargs=True))
             handles.append(modules[name].register_forward_hook(after))
+        for router in (routers or {}).values():
+            parent = router.name.rpartition(".")[0]
+            if parent in modules:
+                handles.append(
+                    modules[parent].register_forward_pre_hook(make_parent_hook(router.name), with_kwargs=True)
+                )
+            router_before, router_after = make_router_hooks(router)
+            # Registered last: the router's fw row (if captured) and the routing row see the replayed output.
+            handles.append(modules[router.name].register_forward_pre_hook(router_before, with_kwargs=True))
+            handles.append(modules[router.name].register_forward_hook(router_after, prepend=True))
         if backward and parameter_grads:
             for param_name, parameter in model.named_parameters():
                 if parameter.requires_grad:

@@ -25,6 +25,7 @@ from pytest_precision.engine.reference_run import (
     reference_noise,
 )
 from pytest_precision.engine.references import Reference, ReferenceCache
+from pytest_precision.engine.routers import ROUTING_KIND, Routers
 from pytest_precision.engine.runner import checked_flag
 from pytest_precision.engine.variant_pass import (
     WithWeights,
@@ -89,6 +90,7 @@ def measure(
                 "sharded model; leave weight_cast off there (compare the unsharded model in one process instead)"
             )
         noise = reference_noise(runner, ref, repeats)
+        runner.reference_routing = {name: tensor for (name, kind), tensor in stored.items() if kind == ROUTING_KIND}
         # Set after the reference's noise passes, which measure its captured tensors only.
         runner.range_stats = range_stats
         if weight_cast:
@@ -122,6 +124,10 @@ def measure(
         # The weights' reference_sums served this call's variants only (harmless if an error leaves them).
         for key in [key for key in ref.sums if key[1] == WEIGHT_KIND]:
             del ref.sums[key]
+        report.routing_choices = dict(runner.recorded_routing)
+        report.reference_routing = runner.reference_routing
+        report.routing_index = runner.positions.index
+        report.flip_margins = runner.flip_margins
         kept_reference = stored.get(("logprob", "logprob"))
         if report.token_logprobs and kept_reference is not None and runner.valid is not None:
             report.reference_logprobs = kept_reference
@@ -154,6 +160,7 @@ def compare(
     range_stats: bool = False,
     weight_cast: bool = False,
     progress: ProgressCallback | None = None,
+    routers: Routers | bool | None = None,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -201,6 +208,10 @@ def compare(
     progress: a callable taking a pytest_precision.engine.progress.ProgressEvent, called as each run (the reference,
         then each variant) starts a phase (build, forward, backward, measure) and when it is done, with its
         wall time; it adds no host synchronisation. Default: no events.
+    routers: the mixture-of-experts routers whose expert choice per token makes a "routing" row per router and run
+        (see pytest_precision.numbers.routing for its metrics): None (default) finds transformers' routers
+        (transformers >= 5), False makes none, a pytest_precision.Routers names a model's own. Variants with
+        replay_routing replay another run's choice through them (see Variant).
 
     The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
     same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
@@ -220,6 +231,7 @@ def compare(
             "clip_eps": clip_eps,
             "offload": offload,
             "cache": cache,
+            "routers": routers,
         }
         passed = [name for name, value in given.items() if value is not None]
         if device is not None and torch.device(device) != model.device:
@@ -271,6 +283,7 @@ def compare(
         checksum=cache is not None,
         progress=progress,
         progress_total=1 + len(variant_list),
+        routers=routers,
     )
     try:
         return measure(

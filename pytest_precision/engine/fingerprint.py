@@ -287,6 +287,7 @@ def cache_key(
     temperature: float,
     clip_eps: float,
     offload: bool,
+    routers: object = None,
 ) -> CacheKey | None:
     """The cache key of a reference run (see the module docstring for what it covers), or None when it
     cannot be memoized: a factory (its output cannot be checksummed before it runs), inputs without a
@@ -302,8 +303,10 @@ def cache_key(
         return None
     checksum = state_checksum(model)
     spec = (json.dumps(variant.to_dict(), sort_keys=True), id(variant.prepare))
-    settings = (modules, id(loss_fn), backward, str(device), temperature, clip_eps, offload)
-    anchors += [variant.prepare, loss_fn]
+    # A Routers by identity (its callables cannot be compared otherwise), kept alive by the anchors.
+    routing = routers if routers is None or routers is False else id(routers)
+    settings = (modules, id(loss_fn), backward, str(device), temperature, clip_eps, offload, routing)
+    anchors += [variant.prepare, loss_fn] + ([routers] if routing not in (None, False) else [])
     key = (id(model), checksum, structure, inputs, spec, settings)
     return CacheKey(key, checksum, tuple(a for a in anchors if a is not None))
 

@@ -21,6 +21,7 @@ from pytest_precision.engine.isolation import ambient_modes_off, comparison_devi
 from pytest_precision.engine.losses import LossFn
 from pytest_precision.engine.progress import ProgressCallback, RunProgress, checked_callback
 from pytest_precision.engine.references import OFFLOAD_THRESHOLD_BYTES, Reference, ReferenceCache, qualified_name
+from pytest_precision.engine.routers import ROUTING_KIND, Routers, checked_routers
 from pytest_precision.engine.runner import Runner
 from pytest_precision.engine.variant_pass import VariantPass, exact_if_needed, rms_rel_by_tensor
 from pytest_precision.engine.variants import Variant, resolve_reference
@@ -78,6 +79,7 @@ def new_runner(ref: Reference, repeats: int = 1) -> Runner:
         repeats=repeats,
         products=ref.products,
         positions=ref.positions,
+        routers=ref.routers,
     )
     ref.positions = runner.positions  # worked out once per Reference
     if ref.module_names:
@@ -102,6 +104,7 @@ def build_reference(
     checksum: bool = True,
     progress: ProgressCallback | None = None,
     progress_total: int = 1,
+    routers: Routers | bool | None = None,
 ) -> Reference:
     """Run the reference and keep its tensors (see pytest_precision.reference); from `cache` when it holds
     this model, with the same parameter values, inputs and settings. Under torch.distributed, a failure on any
@@ -118,6 +121,7 @@ def build_reference(
     if not 0 < clip_eps < 1:
         raise ConfigurationError(f"clip_eps must be in (0, 1), got {clip_eps}")
     reference_variant = resolve_reference(reference)
+    routers = checked_routers(routers)
     batch = to_batch(inputs)
     unsharded = model.model if isinstance(model, ShardedModel) else model
     run_device = comparison_device(model, device)
@@ -139,6 +143,7 @@ def build_reference(
             temperature=temperature,
             clip_eps=clip_eps,
             offload=offload,
+            routers=routers,
         )
         if keyed is None:
             cache.skipped += 1
@@ -164,6 +169,7 @@ def build_reference(
         if keyed is not None
         else (state_checksum(model) if checksum and isinstance(model, nn.Module) else None),
         loss_fn_name=None if loss_fn is None else qualified_name(loss_fn),
+        routers=routers,
     )
     with preserved_rng(run_device), ambient_modes_off(run_device):
         runner = new_runner(ref)  # its targets and mask made outside the caller's inference mode too
@@ -251,7 +257,8 @@ class _ReferenceKeeper:
         import torch
 
         kept = tensor.detach()
-        if kept.is_floating_point() and kept.numel() and kind != LOGITS_KIND:  # the logits: the head's fw row
+        # The logits are the head's fw row; a routing tensor's statistics are its own (numbers.routing).
+        if kept.is_floating_point() and kept.numel() and kind not in (LOGITS_KIND, ROUTING_KIND):
             counted = self.runner.masked(name, kind, kept)
             values = self.sums[(name, kind)] = reference_sums(counted)  # on the device, before any offload
             whole = values[5:] if counted is kept else torch.stack(torch.aminmax(kept)).to(torch.float64)
@@ -433,6 +440,7 @@ def reference(
     offload: bool | None = None,
     cache: ReferenceCache | None = None,
     progress: ProgressCallback | None = None,
+    routers: Routers | bool | None = None,
 ) -> Reference:
     """Run the reference of `model` on `inputs` once; compare variants with `compare(ref, variants=[...])`.
 
@@ -453,4 +461,5 @@ def reference(
         offload=offload,
         cache=cache,
         progress=progress,
+        routers=routers,
     )

@@ -113,6 +113,9 @@ class Reference:
     sums: dict[TensorKey, torch.Tensor] = field(default_factory=dict, repr=False)
     #: The batch's counted positions on the run's device (see positions.py), worked out on first need.
     positions: Positions | None = field(default=None, repr=False)
+    #: Which routers make routing rows: None, transformers' (found automatically); False, none; or a Routers (see
+    #: pytest_precision.engine.routers). Not saved: a loaded Reference finds transformers' routers by itself.
+    routers: Any = field(default=None, repr=False)
     #: What isolated runs feed each selected module (isolated.Recorded), recorded on first need.
     isolation: Recorded | None = field(default=None, repr=False)
 

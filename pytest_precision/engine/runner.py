@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pytest_precision.base.dtypes import ModelFactory, torch_dtype
@@ -52,6 +52,7 @@ from pytest_precision.engine.model_facts import (
 )
 from pytest_precision.engine.positions import Positions, batch_positions, select_positions
 from pytest_precision.engine.progress import Phase, RunProgress
+from pytest_precision.engine.routers import ROUTING_KIND, Router, Routers, checked_routers, find_routers
 from pytest_precision.engine.variants import Variant
 from pytest_precision.numbers.logprobs import LOG_RATIO_MAXIMA, chosen_logprobs
 from pytest_precision.numbers.range_stats import combine_range_sums
@@ -83,6 +84,7 @@ class Runner:
         repeats: int = 1,
         products: FactoryProducts | None = None,
         positions: Positions | None = None,
+        routers: Routers | bool | None = None,
     ) -> None:
         self.source = source
         self.products = FactoryProducts() if products is None else products
@@ -111,6 +113,15 @@ class Runner:
         self.range_stats = False
         #: The events of the run being made (see progress.py); None: none are sent.
         self.progress: RunProgress | None = None
+        #: Which routers make routing rows (see routers.find_routers), their expert counts by name, and each
+        #: variant's routing tensors by router label (kept for replay into a later variant and for
+        #: PrecisionReport.routing_mismatch), with the reference's margins of its flipped tokens.
+        self.routers = checked_routers(routers)
+        self.router_experts: dict[str, int | None] = {}
+        self.recorded_routing: dict[str, dict[str, torch.Tensor]] = {}
+        self.flip_margins: dict[str, dict[str, list[float]]] = {}
+        #: The reference's routing tensors by router label (set by measure; replay_routing=True replays them).
+        self.reference_routing: dict[str, torch.Tensor] = {}
         if self.distributed:
             everyone = distributed.exchange((self.inputs_described, self.batch.digest()))
             self.inputs_described = everyone[0][0]
@@ -154,6 +165,8 @@ class Runner:
             model = build_run_model(self.source, variant, self.device, self.products)
             if self.module_names is None:
                 self.module_names = select_modules(model, self.modules)
+            routers = self._routers(model, variant)
+            replay = self._replay(variant, routers)
             float_dtype = torch_dtype(variant.weight_dtype)
             args, kwargs = self.batch.on(self.device, float_dtype)
             call_inputs: Any = kwargs if not args else (args[0] if len(args) == 1 else args)
@@ -172,9 +185,11 @@ class Runner:
                         sink(parameter_name, WEIGHT_KIND, dequantized(parameter))
             self.phase("forward")
             if isolation is not None:
-                return self._run_isolated(model, variant, sink, loss_scale, isolation, (args, kwargs), flags)
+                return self._run_isolated(
+                    model, variant, sink, loss_scale, isolation, (args, kwargs), flags, routers, replay
+                )
             if variant.arrangement is not None:
-                return self._run_arranged(model, variant, sink, call_inputs, flags, origin)
+                return self._run_arranged(model, variant, sink, call_inputs, flags, origin, routers)
             if recording is not None:
                 recorder: contextlib.AbstractContextManager[Any] = isolated.record(
                     model, isolated.boundaries(self.module_names), backward=backward, into=recording
@@ -187,7 +202,15 @@ class Runner:
             with (
                 watch as trace,
                 recorder,
-                capture(model, self.module_names, sink, backward=backward, parameter_grads=hooked_grads),
+                capture(
+                    model,
+                    self.module_names,
+                    sink,
+                    backward=backward,
+                    parameter_grads=hooked_grads,
+                    routers=routers,
+                    replay=replay,
+                ),
             ):
                 with torch.set_grad_enabled(backward), autocast:
                     try:
@@ -231,6 +254,54 @@ class Runner:
             del model, output, loss
         return info
 
+    def _routers(self, model: nn.Module, variant: Variant) -> dict[str, Router]:
+        """The routers of this run's model whose choices make routing rows (none under torch.distributed, where
+        asking for them, or for replay, is refused)."""
+        if self.distributed:
+            if isinstance(self.routers, Routers) or variant.replay_routing:
+                raise ConfigurationError(
+                    f"variant {variant.name!r}: routing rows and routing replay are measured in one process, not "
+                    "under torch.distributed (expert-parallel or sharded MoE layers route each rank's tokens apart); "
+                    "compare the MoE's routing unsharded in one process, or pass routers=False"
+                )
+            return {}
+        routers = find_routers(model, self.routers)
+        for name, router in routers.items():
+            self.router_experts[name] = router.experts
+        return routers
+
+    def experts_of(self, label: str) -> int | None:
+        """The expert count of the router a routing row `label` ("name" or "name#k") comes from (None: unknown)."""
+        return self.router_experts.get(label.partition("#")[0])
+
+    def _replay(self, variant: Variant, routers: Mapping[str, Router]) -> dict[str, torch.Tensor] | None:
+        """The routing tensors `variant` replays (see Variant.replay_routing), None when it replays none."""
+        source = variant.replay_routing
+        if not source:
+            return None
+        if not routers:
+            raise ConfigurationError(
+                f"variant {variant.name!r}: replay_routing, but the model has no router the plugin knows (transformers "
+                ">= 5 MoE routers are found by themselves); name yours with routers=pytest_precision.Routers(...)"
+            )
+        unable = sorted({router.kind for router in routers.values() if not router.can_replay})
+        if unable:
+            raise ConfigurationError(
+                f"variant {variant.name!r}: replay_routing: the replay rule of {', '.join(unable)} is not known "
+                "(known: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3); pass "
+                "routers=pytest_precision.Routers(modules=..., read=..., replay=...)"
+            )
+        if source is True:
+            return self.reference_routing
+        recorded = self.recorded_routing.get(str(source))
+        if recorded is None:
+            raise ConfigurationError(
+                f"variant {variant.name!r}: replay_routing={source!r} names no variant whose routing this comparison "
+                f"recorded before it (recorded: {', '.join(self.recorded_routing) or 'none'}); list {source!r} "
+                "before it in variants"
+            )
+        return recorded
+
     def _autocast(self, variant: Variant) -> torch.autocast:
         """The variant's torch.autocast on the run's device (disabled unless variant.autocast)."""
         import torch
@@ -261,6 +332,7 @@ class Runner:
         inputs: Any,
         flags: Any,
         origin: dict[str, str] | None = None,
+        routers: Mapping[str, Router] | None = None,
     ) -> RunInfo:
         """The forward of `variant` as its arrangement computes it (see arrangements.py), each call's tensors
         reassembled into the reference's layout and streamed to `sink`: fw rows, the logits and log-probs (with
@@ -277,7 +349,11 @@ class Runner:
         watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
         if origin is not None:
             watch = trace_nonfinite(model, backward=False)
-        with watch as trace, capture(model, self.module_names, assembler, backward=False) as counts, autocast:
+        with (
+            watch as trace,
+            capture(model, self.module_names, assembler, backward=False, routers=routers) as counts,
+            autocast,
+        ):
             run_calls(model, arrangement, inputs, assembler, counts, variant=variant.name, logits_of=logits_of)
         if trace is not None and (where := trace.origin()) is not None:
             assert origin is not None
@@ -301,6 +377,8 @@ class Runner:
         recorded: isolated.Recorded,
         call: tuple[tuple[Any, ...], dict[str, Any]],
         flags: Any,
+        routers: Mapping[str, Router] | None = None,
+        replay: Mapping[str, torch.Tensor] | None = None,
     ) -> RunInfo:
         """The isolated run of `variant` (see isolated.py), its rows streamed to `sink` as isolated kinds."""
         import torch
@@ -310,7 +388,7 @@ class Runner:
         owned = isolated.owned_parameters(model, boundary_names)
 
         def isolated_sink(name: str, kind: str, tensor: torch.Tensor) -> None:
-            if kind in ("fw", "bw") or (kind == "grad" and name in owned):
+            if kind in ("fw", "bw", ROUTING_KIND) or (kind == "grad" and name in owned):
                 sink(name, isolated.isolated_kind(kind), tensor)
 
         args, kwargs = call
@@ -318,7 +396,7 @@ class Runner:
         backward = self.backward and not variant.forward_only
         with (
             isolated.isolate(model, boundary_names, recorded, scale=loss_scale, variant=variant.name) as run,
-            capture(model, self.module_names, isolated_sink, backward=backward),
+            capture(model, self.module_names, isolated_sink, backward=backward, routers=routers, replay=replay),
         ):
             with torch.set_grad_enabled(backward), autocast:
                 try:
@@ -447,6 +525,8 @@ class Runner:
             # The loss's gradient at logits[t] is non-zero exactly where target t (token t + 1) counts.
             rows, length = positions.valid.shape
             return select_positions(tensor, (rows, length + 1), positions.logits_index)
+        if kind == ROUTING_KIND:  # (rows, positions, 2k + 1): counted positions; off the batch's grid: all tokens
+            return select_positions(tensor, positions.shape, positions.index).reshape(-1, tensor.shape[-1])
         return select_positions(tensor, positions.shape, positions.index) if kind in ("fw", "bw") else tensor
 
 

@@ -18,6 +18,7 @@ from pytest_precision.engine.host_sums import HostSums, PendingSums, resolve_pen
 from pytest_precision.engine.losses import CALIBRATE, LargestGradient, fp16_loss_scale
 from pytest_precision.engine.model_build import build_run_model, parameter_dtypes
 from pytest_precision.engine.references import Reference
+from pytest_precision.engine.routers import ROUTING_KIND
 from pytest_precision.engine.runner import Runner, compute_dtype
 from pytest_precision.engine.variants import Variant
 from pytest_precision.numbers.logprobs import (
@@ -35,6 +36,7 @@ from pytest_precision.numbers.metrics import (
     reference_sums,
 )
 from pytest_precision.numbers.range_stats import range_from_sums, range_sums
+from pytest_precision.numbers.routing import routing_from_sums, routing_sums, top_k
 from pytest_precision.numbers.token_stats import token_stats
 
 if TYPE_CHECKING:
@@ -137,6 +139,8 @@ class VariantPass:
         self.logprobs: torch.Tensor | None = None
         #: The dtype range statistics are counted in (None: compare(range_stats=False)).
         self.range_dtype = compute_dtype(variant) if runner.range_stats else None
+        #: Per routing row: (name, kind, (tokens, k), routing_sums' three device tensors), see numbers.routing.
+        self.routing: list[tuple[str, str, tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []
 
     def measure(self, name: str, kind: str, tensor: torch.Tensor) -> None:
         import torch
@@ -156,6 +160,13 @@ class VariantPass:
             )
         obtained = tensor.detach()
         positions = runner.positions
+        if kind == ROUTING_KIND:
+            if record_kind == ROUTING_KIND:  # kept for replay into a later variant and for routing_mismatch
+                runner.recorded_routing.setdefault(variant.name, {})[name] = obtained
+            reference = runner.masked(name, kind, expected)
+            sums = routing_sums(reference, runner.masked(name, kind, obtained), runner.experts_of(name))
+            self.routing.append((name, record_kind, (reference.shape[0], top_k(reference)), sums))
+            return
         if kind == LOGITS_KIND:
             assert positions.logits_index is not None
             self.distribution = distribution_rows(
@@ -215,6 +226,8 @@ class VariantPass:
             device_values.append(self.distribution)
         if self.token_logprobs is not None:
             device_values.append(self.token_logprobs)
+        for *_, sums in self.routing:
+            device_values += list(sums)
         host = iter(resolve_pending(device_values))
         raw: list[HostSums] = []
         for item in self.pending:
@@ -226,6 +239,10 @@ class VariantPass:
                 item.range_values = None
         per_row = next(host) if self.distribution is not None else None
         logprob_rows = next(host) if self.token_logprobs is not None else None
+        routing_rows = [
+            (name, kind, shape, next(host), next(host), next(host)) for name, kind, shape, _ in self.routing
+        ]
+        self.routing.clear()
         vectors = token_vectors(per_row, logprob_rows)
         distribution = None
         if vectors is not None:
@@ -263,6 +280,12 @@ class VariantPass:
                     arrays = [np.asarray(v, dtype=np.float64) for v in vectors]
                     extra |= dataclasses.asdict(token_stats(*arrays))
             self.records.append(Record.from_error(item.name, item.kind, item.shape, error, **extra))
+        margins = self.runner.flip_margins.setdefault(self.variant.name, {})
+        for name, kind, shape, stats, weight_sums, flips in routing_rows:
+            error, routing = routing_from_sums(stats, weight_sums)
+            self.records.append(Record.from_error(name, kind, shape, error, **dataclasses.asdict(routing)))
+            if kind == ROUTING_KIND:
+                margins[name] = [value for value in flips if not math.isnan(value)]
 
 
 def token_vectors(per_row: list[float] | None, logprob_rows: list[float] | None) -> list[list[float]] | None:

@@ -77,6 +77,10 @@ class Variant:
     lowbit_filter: `(module, name) -> bool`, the modules the three above apply to; None: every nn.Linear but
         the output head and fp32_modules (see pytest_precision.engine.lowbit_build). Needs torchao for the
         first two: pip install "pytest-precision[lowbit]".
+    replay_routing: a mixture-of-experts model's routers choose the experts another run chose (Rollout Routing
+        Replay): True, the reference's; a variant's name, that variant's (listed before this one). Only the top-k
+        expert set per token is replayed: the routing weights come from this variant's own router logits at
+        those experts, and everything else is computed as without replay (see pytest_precision.engine.routers).
     """
 
     name: str
@@ -96,6 +100,7 @@ class Variant:
     quantize: Any = None
     weight_storage: str | None = None
     lowbit_filter: Callable[[Any, str], bool] | None = field(default=None, compare=False)
+    replay_routing: bool | str = False
 
     def __post_init__(self) -> None:
         if isinstance(self.name, str):
@@ -122,6 +127,24 @@ class Variant:
         if self.autocast and self.dtype not in ("bfloat16", "float16"):
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
         self._check_lowbit()
+        self._check_replay()
+
+    def _check_replay(self) -> None:
+        replay = self.replay_routing
+        where = f"variant {self.name!r}"
+        if not isinstance(replay, (bool, str)) or replay == "":
+            raise ConfigurationError(
+                f"{where}: replay_routing must be True (the reference's routing), False or a variant's name, got "
+                f"{replay!r}"
+            )
+        if replay and self.arrangement is not None:
+            raise ConfigurationError(
+                f"{where}: replay_routing replays routing into one full forward, as a trainer runs it; an arrangement "
+                f"({self.arrangement_name}) is the sampler side: record its routing and replay it into a full-forward "
+                f"variant, e.g. Variant('bf16_replayed', dtype='bfloat16', replay_routing='{self.name}')"
+            )
+        if replay == self.name:
+            raise ConfigurationError(f"{where}: replay_routing names the variant itself; name another variant")
 
     def _check_lowbit(self) -> None:
         where = f"variant {self.name!r}"
@@ -174,6 +197,7 @@ class Variant:
                 self.fp8_training,
                 quantize_description(self.quantize),
                 self.weight_storage,
+                self.replay_routing,
             )
         )
 
@@ -226,6 +250,7 @@ class Variant:
             **({"quantize": quantize_description(self.quantize)} if self.quantize is not None else {}),
             **({"weight_storage": self.weight_storage} if self.weight_storage is not None else {}),
             **({"lowbit_filter": _qualified_name(self.lowbit_filter)} if self.lowbit_filter is not None else {}),
+            **({"replay_routing": self.replay_routing} if self.replay_routing else {}),
         }
 
 
@@ -281,6 +306,10 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         # fp8 weight storage round trips (no torchao): for models no torchao kernel serves.
         Variant("fp8_e4m3_weights", dtype="bfloat16", weight_storage="float8_e4m3fn"),
         Variant("fp8_e5m2_weights", dtype="bfloat16", weight_storage="float8_e5m2"),
+        # Mixture-of-experts routing replay (R3): the routers choose the reference's experts, so that against the
+        # same variant without replay the error splits into what routing flips cause and what arithmetic causes.
+        Variant("fp32_replay", dtype="float32", replay_routing=True),
+        Variant("bf16_replay", dtype="bfloat16", replay_routing=True),
     )
 }
 
@@ -341,6 +370,7 @@ def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
         or reference.matmul_precision != "highest"
         or reference.fsdp_knobs
         or reference.arrangement is not None
+        or reference.replay_routing
     ):
         raise ConfigurationError(
             f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "

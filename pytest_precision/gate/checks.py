@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pytest_precision.base.errors import ConfigurationError
-from pytest_precision.base.records import KINDS, METRIC_DIRECTIONS, OPTIONAL_METRICS, Record
+from pytest_precision.base.records import KINDS, METRIC_DIRECTIONS, OPTIONAL_METRICS, ROUTING_GATED_METRICS, Record
 from pytest_precision.gate.tolerance import (
     DEFAULT_METRICS,
     Violation,
@@ -133,6 +133,13 @@ def _check_tensor(
             tally.improvements.append(dataclasses.replace(found, reason="improved"))
 
 
+def row_metrics(record: Record, metrics: Sequence[str]) -> Sequence[str]:
+    """The metrics `record` is gated on: `metrics`, and on a routing row also ROUTING_GATED_METRICS."""
+    if record.kind.removesuffix("_isolated") != "routing":
+        return metrics
+    return [*metrics, *(m for m in ROUTING_GATED_METRICS if m not in metrics)]
+
+
 def check_against_baseline(
     expected: Mapping[str, Sequence[Record]],
     obtained: Mapping[str, Sequence[Record]],
@@ -160,7 +167,7 @@ def check_against_baseline(
                 tally.violations.append(Violation(variant, record.name, record.kind, "new"))
                 continue
             gated += 1
-            _check_tensor(variant, before, record, rules, gated_metrics, tally)
+            _check_tensor(variant, before, record, rules, row_metrics(record, gated_metrics), tally)
         tally.violations += [
             Violation(variant, name, kind, "missing") for (name, kind) in baseline_rows if (name, kind) not in seen
         ]

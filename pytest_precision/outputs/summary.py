@@ -20,7 +20,13 @@ from pytest_precision.gate.checks import check_against_baseline
 from pytest_precision.gate.tolerance import DEFAULT_METRICS, Violation
 from pytest_precision.gate.tolerance_rules import ToleranceRules
 from pytest_precision.reports.report import PrecisionReport
-from pytest_precision.reports.tables import SUMMARY_KINDS, percent_column, summary_rows, summary_values
+from pytest_precision.reports.tables import (
+    SUMMARY_KINDS,
+    percent_column,
+    routing_cells,
+    summary_rows,
+    summary_values,
+)
 
 SUMMARY_FILE = "summary.md"
 #: Rows of regressions and of improvements shown per test.
@@ -159,6 +165,10 @@ def propagation_tables(report: PrecisionReport, metric: str = "rms_rel") -> list
         rows = [[label, *(column[i] for column in columns)] for i, (label, _) in enumerate(present)]
         if lines:
             lines.append("")
+        lines += markdown_table(header, rows)
+    header, rows = routing_cells(report)
+    if rows:
+        lines += ["", "Routing: tokens whose top-k experts agree with the reference's.", ""]
         lines += markdown_table(header, rows)
     return lines
 

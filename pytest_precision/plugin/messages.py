@@ -7,7 +7,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_precision.base.records import Record
+from pytest_precision.base.records import KINDS, Record
 from pytest_precision.gate.drift import DriftAllowance
 from pytest_precision.gate.tolerance import Violation
 from pytest_precision.reports.tables import format_number, render
@@ -38,18 +38,8 @@ def full_list_hint(report_dir: Path | None, baseline: Path | None, rows: int, pl
 
 # Execution order: forward rows in forward order, then backward rows in backward order, then gradients,
 # so that the first row is where precision was first lost.
-_KIND_ORDER = {
-    "fw": 0,
-    "logprob": 1,
-    "loss": 2,
-    "bw": 3,
-    "grad": 4,
-    "weight_cast": 5,
-    "fw_isolated": 6,
-    "bw_isolated": 7,
-    "grad_isolated": 8,
-    "*": 9,
-}
+#: The kinds in their display and gate order (records.KINDS), whole-variant rows ("*") last.
+_KIND_ORDER = {**{kind: rank for rank, kind in enumerate(KINDS)}, "*": len(KINDS)}
 
 REFRESH_TEMPLATE = "pytest {nodeid} {flag}"
 #: A metric without a value, in tables.
@@ -75,7 +65,7 @@ def execution_order(violations: Sequence[Violation], order: dict[tuple[str, str,
         violations,
         key=lambda v: (
             variants.index(v.variant),
-            _KIND_ORDER.get(v.kind, 10),
+            _KIND_ORDER.get(v.kind, len(KINDS) + 1),
             order.get((v.variant, v.name, v.kind), math.inf),
         ),
     )

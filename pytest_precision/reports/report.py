@@ -94,6 +94,25 @@ class PrecisionReport(ReportData):
         assert merged is not None
         return merged
 
+    def routing_mismatch(self, trainer: str, sampler: str | None = None) -> dict[str, float]:
+        """Per router (by label), the share of the counted tokens whose top-k expert set differs between the runs of
+        `trainer` and `sampler` (None: the reference): e.g. a trainer variant against a sampler (decode) variant.
+        From the routing compare() keeps in memory for mixture-of-experts models (not in report files)."""
+        from pytest_precision.base.errors import ConfigurationError
+        from pytest_precision.numbers.routing import set_disagreement
+
+        runs = {**self.routing_choices}
+        known = ", ".join(runs) or "none"
+        for name in (trainer, sampler):
+            if name is not None and name not in runs:
+                raise ConfigurationError(
+                    f"routing_mismatch: no routing of variant {name!r} in this report; variants with routing: {known} "
+                    "(compare() keeps it in memory for models with routers, not in files)"
+                )
+        a = runs[trainer]
+        b = self.reference_routing if sampler is None else runs[sampler]
+        return {label: set_disagreement(a[label], b[label], self.routing_index) for label in a if label in b}
+
     def format(self, *, full: bool = True) -> str:
         """The error-propagation summary per variant and, with `full`, every tensor's row."""
         return format_report(self, full=full)

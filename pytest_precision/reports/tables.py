@@ -339,6 +339,40 @@ def decomposition_table(report: PrecisionReport) -> list[str]:
     return render(["decomposition", "rho", "rms_e_a", "rms_e_b", "rms_e_diff", "rms_floor"], rows)
 
 
+def routing_cells(report: PrecisionReport, kind: str = "routing") -> tuple[list[str], list[list[str]]]:
+    """Per router (in execution order), each variant's share of tokens whose top-k experts agree with the
+    reference's, then the flips it made and the median reference margin of those flips: the header and rows of
+    the routing table (no rows: the report has no routing rows)."""
+    variants = [v for v in report.variants if report.records(v, kind)]
+    routers = list(dict.fromkeys(r.name for v in variants for r in report.records(v, kind)))
+    rows = []
+    for router in routers:
+        cells = [router]
+        for variant in variants:
+            found = [r for r in report.records(variant, kind) if r.name == router]
+            record = found[0] if found else None
+            agreement = None if record is None else record.expert_agreement
+            if agreement is None:
+                cells.append("-")
+                continue
+            flips = round((1 - agreement) * (record.shape[0] if record and record.shape else 0))  # type: ignore[union-attr]
+            margin = "" if record.flip_margin_median is None else f", margin {record.flip_margin_median:.3g}"  # type: ignore[union-attr]
+            cells.append(f"{100 * agreement:.1f}% ({flips} flip{'' if flips == 1 else 's'}{margin})")
+        rows.append(cells)
+    return [kind, *variants], rows
+
+
+def routing_table(report: PrecisionReport) -> list[str]:
+    """The routing agreement of every router and variant (see routing_cells); [] without routing rows."""
+    header, rows = routing_cells(report)
+    if not rows:
+        return []
+    return [
+        "routing: tokens whose top-k experts agree with the reference's (flips, their median reference margin)",
+        *render(header, rows),
+    ]
+
+
 def lowbit_lines(report: PrecisionReport) -> list[str]:
     """One line per variant below 16 bits: its format, whether its kernels ran natively or emulated, and how
     many modules took it."""
@@ -371,6 +405,7 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         if table:
             lines += ["", *table]
     for table in (
+        routing_table(report),
         gradient_category_table(report, metric),
         gradient_category_table(report, metric, kind="weight_cast"),
         logprob_table(report),

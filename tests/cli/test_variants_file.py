@@ -202,6 +202,7 @@ def test_file_fields_are_the_documented_ones() -> None:
         "fp8_training",
         "quantize",
         "weight_storage",
+        "replay_routing",
     ]
     assert set(FILE_FIELDS) <= set(Variant.__dataclass_fields__)
 

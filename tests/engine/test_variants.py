@@ -52,6 +52,8 @@ EXPECTED_BUILTINS = {
     "fp8_dynamic": ("bfloat16", False),
     "fp8_e4m3_weights": ("bfloat16", False),
     "fp8_e5m2_weights": ("bfloat16", False),
+    "fp32_replay": ("float32", False),
+    "bf16_replay": ("bfloat16", False),
 }
 
 

@@ -110,3 +110,37 @@ def test_propagation_short_inputs() -> None:
     assert propagation([make_record("a", 1.0), make_record("b", 2.0)]) == ([1.0, None, None, 2.0], ["a", "b"])
     assert propagation([make_record("a", 1.0)]) == ([1.0, None, None, 1.0], ["a", "a"])
     assert propagation([]) == ([None, None, None, None], ["-", "-"])
+
+
+def routing_record(name: str, agreement: float | None, tokens: int, flip_margin: float | None) -> Record:
+    fields = {f.name: None for f in dataclasses.fields(TensorError)}
+    fields.update(count=1, nonfinite=0)
+    return Record.from_error(
+        name, "routing", (tokens, 2), TensorError(**fields), expert_agreement=agreement, flip_margin_median=flip_margin
+    )
+
+
+def test_the_routing_table_counts_flips_per_router_and_variant() -> None:
+    from pytest_precision.base.records import RunInfo
+    from pytest_precision.outputs.summary import propagation_tables
+    from pytest_precision.reports.report import PrecisionReport
+    from pytest_precision.reports.tables import routing_table
+
+    run = RunInfo(
+        variant={"name": "fp32"}, parameter_dtypes={}, buffer_dtypes={}, input_shapes={}, token_count=None, backend={}
+    )
+    report = PrecisionReport(reference=run, device="cpu")
+    report.add(
+        "bf16", run, [routing_record("l0.gate", 1.0, 200, None), routing_record("l1.gate", 0.98, 200, 0.0042)], []
+    )
+    report.add("bf16_replay", run, [routing_record("l0.gate", 1.0, 200, None)], [])
+    report.add("dense", run, [make_record("l0", 0.1)], [])
+    lines = routing_table(report)
+    assert lines[0].startswith("routing: tokens whose top-k experts agree")
+    assert lines[1].split() == ["routing", "bf16", "bf16_replay"]  # variants without routing rows are left out
+    assert lines[2].split() == ["l0.gate", "100.0%", "(0", "flips)", "100.0%", "(0", "flips)"]
+    assert lines[3].split() == ["l1.gate", "98.0%", "(4", "flips,", "margin", "0.0042)", "-"]
+    assert "| l1.gate | 98.0% (4 flips, margin 0.0042) | - |" in propagation_tables(report)
+    report.add("one", run, [routing_record("l0.gate", 0.995, 200, 0.1)], [])
+    assert "99.5% (1 flip, margin 0.1)" in "\n".join(routing_table(report))
+    assert routing_table(PrecisionReport(reference=run, device="cpu")) == []

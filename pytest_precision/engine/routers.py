@@ -1,0 +1,254 @@
+"""Mixture-of-experts routers: find them in a model, read each one's expert choice per token, and make a router
+choose other experts (routing replay).
+
+A router's choice per token is its top-k expert indices, their routing weights and the router's margin: the gap
+between the score of its k-th choice and that of the best expert it did not choose, in the units top-k is taken
+over (logits for softmax routers, bias-corrected sigmoid scores for DeepSeek-V3-style ones). A choice is streamed
+as one "routing" tensor per router call, (rows, positions, 2k + 1) float64: k indices (ordered as the router returned
+them), k weights, the margin. Floats hold the indices exactly (below 2**53).
+
+Known routers: transformers' `*TopKRouter` / `*TopkRouter` modules (transformers >= 5) returning
+(router_logits, top_k_weights, top_k_indices). Replay knows the rules of Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral
+(softmax, top-k weights renormalised when `norm_topk_prob`) and DeepSeek-V3 (sigmoid + e_score_correction_bias with
+group limit; weights from the plain sigmoid, renormalised, times routed_scaling_factor). Any other MoE: `Routers`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pytest_precision.base.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: The kind of the rows holding a router's choice (see numbers.routing for the metrics).
+ROUTING_KIND = "routing"
+
+#: transformers' router modules (transformers >= 5 made routers modules of their own).
+_TRANSFORMERS_ROUTER = re.compile(r".*Top[kK]Router")
+#: Softmax routers whose replay rule is known: weights = softmax(logits)[chosen], renormalised when norm_topk_prob
+#: (Mixtral has no such attribute and always renormalises).
+_SOFTMAX_ROUTERS = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter"})
+#: Sigmoid routers with a bias correction and a group limit (DeepSeek-V3's rule).
+_SIGMOID_ROUTERS = frozenset({"DeepseekV3TopkRouter"})
+
+#: What `Routers.read` returns: (top-k indices, weights) or (top-k indices, weights, scores top-k was taken over).
+Choice = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Routers:
+    """How to find and read the routers of a mixture-of-experts model the plugin does not know.
+
+    modules: full-match regexes of the router modules' names (one string is one regex).
+    read: `(module, output) -> (indices, weights)` or `(indices, weights, scores)`: the router's top-k expert indices
+        and routing weights per token, (tokens, k) each, and optionally the (tokens, experts) scores top-k was taken
+        over (for the margins; without them the margin metrics are undefined).
+    replay: `(module, output, indices) -> output`: the router's output had it chosen `indices` (tokens, k) instead,
+        its weights computed from its own scores at those experts; None: the variants cannot replay routing.
+    experts: the number of experts (for the load shift); None: the largest index seen plus one.
+    """
+
+    modules: str | Sequence[str]
+    read: Callable[[Any, Any], Choice]
+    replay: Callable[[Any, Any, Any], Any] | None = None
+    experts: int | None = None
+
+    def __post_init__(self) -> None:
+        patterns = [self.modules] if isinstance(self.modules, str) else list(self.modules)
+        if not patterns or not all(isinstance(p, str) for p in patterns):
+            raise ConfigurationError("Routers(modules=...): give a regex or a list of regexes of router module names")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ConfigurationError(f"Routers(modules=...): {pattern!r} is not a valid regex ({error})") from None
+        object.__setattr__(self, "modules", tuple(patterns))
+        if not callable(self.read):
+            raise ConfigurationError("Routers(read=...) must be a callable (module, output) -> (indices, weights)")
+        if self.replay is not None and not callable(self.replay):
+            raise ConfigurationError("Routers(replay=...) must be a callable (module, output, indices) -> output")
+        if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)):
+            raise ConfigurationError(f"Routers(experts=...) must be an int, got {self.experts!r}")
+
+
+@dataclass(frozen=True)
+class RouterChoice:
+    """One router call's choice: indices and weights (tokens, k), margins (tokens,) (NaN: unknown)."""
+
+    indices: torch.Tensor
+    weights: torch.Tensor
+    margins: torch.Tensor
+
+
+class Router:
+    """A router of a model: reads its output, and builds the output of another choice (replay)."""
+
+    def __init__(self, name: str, module: nn.Module, spec: Routers | None) -> None:
+        self.name = name
+        self.module = module
+        self.spec = spec
+        self.kind = type(module).__name__
+        self.experts: int | None = spec.experts if spec is not None else getattr(module, "num_experts", None)
+
+    def read(self, output: Any) -> RouterChoice:
+        """The choice in `output`, or a ConfigurationError naming the router."""
+        import torch
+
+        if self.spec is not None:
+            try:
+                values = tuple(self.spec.read(self.module, output))
+            except Exception as error:
+                raise ConfigurationError(
+                    f"router {self.name!r}: Routers.read raised {type(error).__name__}: {error}"
+                ) from error
+            if len(values) not in (2, 3):
+                raise ConfigurationError(
+                    f"router {self.name!r}: Routers.read must return (indices, weights) or (indices, weights, scores), "
+                    f"got {len(values)} values"
+                )
+            indices, weights, scores = values[0], values[1], values[2] if len(values) == 3 else None
+        else:
+            if not (
+                isinstance(output, tuple)
+                and len(output) >= 3
+                and all(isinstance(value, torch.Tensor) for value in output[:3])
+                and not output[2].is_floating_point()
+            ):
+                raise ConfigurationError(
+                    f"router {self.name!r} ({self.kind}) does not return (router_logits, top_k_weights, top_k_index) "
+                    "as transformers >= 5 routers do; name its routers with "
+                    "routers=pytest_precision.Routers(modules=..., read=...), or pass routers=False"
+                )
+            scores, weights, indices = output[0], output[1], output[2]
+            if self.kind in _SIGMOID_ROUTERS:
+                scores = scores.float().sigmoid() + self.module.e_score_correction_bias
+        if not (isinstance(indices, torch.Tensor) and isinstance(weights, torch.Tensor)):
+            raise ConfigurationError(f"router {self.name!r}: its indices and weights must be tensors")
+        k = indices.shape[-1]
+        indices = indices.reshape(-1, k)
+        weights = weights.reshape(-1, k)
+        if indices.is_floating_point() or weights.shape != indices.shape:
+            raise ConfigurationError(
+                f"router {self.name!r}: expected integer indices and float weights of one shape (tokens, k), got "
+                f"{indices.dtype} {tuple(indices.shape)} and {weights.dtype} {tuple(weights.shape)}"
+            )
+        if scores is None:
+            margins = torch.full((indices.shape[0],), float("nan"), dtype=torch.float64, device=indices.device)
+        else:
+            margins = choice_margins(scores.reshape(indices.shape[0], -1), indices)
+        return RouterChoice(indices, weights, margins)
+
+    @property
+    def can_replay(self) -> bool:
+        return (
+            self.kind in _SOFTMAX_ROUTERS
+            or self.kind in _SIGMOID_ROUTERS
+            or (self.spec is not None and self.spec.replay is not None)
+        )
+
+    def replayed(self, output: Any, indices: torch.Tensor) -> Any:
+        """`output` had the router chosen `indices` (tokens, k): the weights come from its own scores there."""
+        import torch
+
+        if self.spec is not None:
+            assert self.spec.replay is not None
+            return self.spec.replay(self.module, output, indices)
+        logits, weights = output[0], output[1]
+        flat = logits.reshape(indices.shape[0], -1)
+        if self.kind in _SIGMOID_ROUTERS:
+            chosen = flat.float().sigmoid().gather(1, indices)
+            if self.module.norm_topk_prob:
+                chosen = chosen / (chosen.sum(dim=-1, keepdim=True) + 1e-20)
+            chosen = chosen * self.module.routed_scaling_factor
+        else:
+            chosen = torch.softmax(flat, dim=-1, dtype=torch.float).gather(1, indices)
+            if getattr(self.module, "norm_topk_prob", True):
+                chosen = chosen / chosen.sum(dim=-1, keepdim=True)
+        return (logits, chosen.to(weights.dtype), indices.to(output[2].dtype), *output[3:])
+
+
+def choice_margins(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Per token, the lowest score among the chosen experts minus the highest among the others (float64)."""
+    import torch
+
+    scores = scores.to(torch.float64)
+    chosen = scores.gather(1, indices)
+    others = scores.scatter(1, indices, float("-inf"))
+    return chosen.min(dim=-1).values - others.max(dim=-1).values
+
+
+def find_routers(model: nn.Module, spec: Routers | bool | None) -> dict[str, Router]:
+    """The model's routers by module name: those `spec` names (a Routers), transformers' routers (None: found
+    automatically), or none (False)."""
+    if spec is False:
+        return {}
+    if isinstance(spec, Routers):
+        found = {
+            name: Router(name, module, spec)
+            for name, module in model.named_modules()
+            if name and any(re.fullmatch(pattern, name) for pattern in spec.modules)
+        }
+        if not found:
+            names = [name for name, _ in model.named_modules() if name]
+            raise ConfigurationError(
+                f"routers: Routers(modules={list(spec.modules)!r}) matches no module of {type(model).__name__} "
+                f"(full match on names from named_modules(), e.g. {', '.join(names[:6])})"
+            )
+        return found
+    return {
+        name: Router(name, module, None)
+        for name, module in model.named_modules()
+        if name and _TRANSFORMERS_ROUTER.fullmatch(type(module).__name__) and hasattr(module, "top_k")
+    }
+
+
+def checked_routers(value: object) -> Routers | bool | None:
+    """compare(routers=...): None (found automatically), False (none), or a Routers."""
+    if value is None or value is False or isinstance(value, Routers):
+        return value  # type: ignore[return-value]
+    raise ConfigurationError(
+        f"routers must be None (transformers' routers, found automatically), False (no routing rows) or "
+        f"pytest_precision.Routers(modules=..., read=...), got {value!r}"
+    )
+
+
+def packed(choice: RouterChoice, grid: tuple[int, int] | None) -> torch.Tensor:
+    """The choice as the (rows, positions, 2k + 1) float64 tensor streamed as a routing row; (1, tokens, 2k + 1)
+    when the router's tokens do not form the call's (rows, positions) grid."""
+    import torch
+
+    values = torch.cat(
+        [choice.indices.to(torch.float64), choice.weights.detach().to(torch.float64), choice.margins[:, None]], dim=-1
+    )
+    tokens = values.shape[0]
+    rows, length = grid if grid is not None and grid[0] * grid[1] == tokens else (1, tokens)
+    return values.reshape(rows, length, -1)
+
+
+def replay_indices(pack: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The indices (tokens, k) of a routing tensor (rows, positions, 2k + 1) to replay in a call of `tokens` tokens."""
+    import torch
+
+    k = (pack.shape[-1] - 1) // 2
+    if pack.shape[0] * pack.shape[1] != tokens:
+        raise ConfigurationError(
+            f"routing replay: the recorded routing covers {pack.shape[0] * pack.shape[1]} tokens, this call routes "
+            f"{tokens}; replay needs the same tokens in one full forward"
+        )
+    return pack[..., :k].reshape(tokens, k).to(torch.int64)
+
+
+def routing_grid(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(rows, positions) of a module call: the leading dims of its first 3-D floating tensor argument."""
+    import torch
+
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 3:
+            return int(value.shape[0]), int(value.shape[1])
+    return None
