@@ -104,7 +104,7 @@ def tiny_qwen2(*, seed: int = 0, tied: bool = True, layers: int = 3) -> Any:
     return _seeded(config, Qwen2ForCausalLM, seed)
 
 
-#: The mixture-of-experts families tiny_moe builds (transformers >= 5: routers are modules of their own).
+#: The mixture-of-experts families tiny_moe builds (routers: tests/engine/test_routing*.py).
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe", "deepseek_v3")
 
 
@@ -187,8 +187,8 @@ def _transformers_major() -> int:
     return int(version("transformers").split(".")[0])
 
 
-#: transformers >= 5 made MoE routers modules of their own, which the plugin finds; 4.x computes top-k inside the
-#: MoE block (and stores experts under other names than the committed trained MoE).
+#: transformers >= 5 made MoE routers modules of their own, returning their choice; 4.x computes top-k inside the
+#: MoE block (tests/engine/test_routing_transformers4.py) and names experts other than the committed trained MoE.
 requires_transformers_routers = pytest.mark.skipif(
     _transformers_major() < 5, reason="routing rows of transformers' MoE models need transformers >= 5"
 )

@@ -10,7 +10,12 @@ them), k weights, the margin. Floats hold the indices exactly (below 2**53).
 Known routers: transformers' `*TopKRouter` / `*TopkRouter` modules (transformers >= 5) returning
 (router_logits, top_k_weights, top_k_indices). Replay knows the rules of Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral
 (softmax, top-k weights renormalised when `norm_topk_prob`) and DeepSeek-V3 (sigmoid + e_score_correction_bias with
-group limit; weights from the plain sigmoid, renormalised, times routed_scaling_factor). Any other MoE: `Routers`.
+group limit; weights from the plain sigmoid, renormalised, times routed_scaling_factor). In transformers 4.x, the
+`nn.Linear` gate of a `*SparseMoeBlock` (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral), whose block takes top-k of the
+softmax itself: its choice is read by the block's own rule from the gate's logits, and replayed by masking the
+logits of the experts not replayed to -inf: the block then takes R3's weights (up to float32 rounding: a softmax over
+the k experts rather than one over all, renormalised) where it renormalises the top-k weights, and it is refused where
+it does not. Any other MoE: `Routers`.
 """
 
 from __future__ import annotations
@@ -36,6 +41,10 @@ _TRANSFORMERS_ROUTER = re.compile(r".*Top[kK]Router")
 _SOFTMAX_ROUTERS = frozenset({"Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter"})
 #: Sigmoid routers with a bias correction and a group limit (DeepSeek-V3's rule).
 _SIGMOID_ROUTERS = frozenset({"DeepseekV3TopkRouter"})
+#: transformers 4.x MoE blocks whose `gate` is an nn.Linear and whose forward takes the softmax's top-k itself.
+_LINEAR_GATE_BLOCKS = frozenset(
+    {"Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "OlmoeSparseMoeBlock", "MixtralSparseMoeBlock"}
+)
 
 #: What `Routers.read` returns: (top-k indices, weights) or (top-k indices, weights, scores top-k was taken over).
 Choice = tuple[Any, ...]
@@ -60,7 +69,8 @@ class Routers:
     experts: int | None = None
 
     def __post_init__(self) -> None:
-        patterns = [self.modules] if isinstance(self.modules, str) else list(self.modules)
+        modules: object = self.modules
+        patterns = [modules] if isinstance(modules, str) else list(modules) if isinstance(modules, list | tuple) else []
         if not patterns or not all(isinstance(p, str) for p in patterns):
             raise ConfigurationError("Routers(modules=...): give a regex or a list of regexes of router module names")
         for pattern in patterns:
@@ -89,12 +99,15 @@ class RouterChoice:
 class Router:
     """A router of a model: reads its output, and builds the output of another choice (replay)."""
 
-    def __init__(self, name: str, module: nn.Module, spec: Routers | None) -> None:
+    def __init__(self, name: str, module: nn.Module, spec: Routers | None, block: nn.Module | None = None) -> None:
         self.name = name
         self.module = module
         self.spec = spec
-        self.kind = type(module).__name__
-        self.experts: int | None = spec.experts if spec is not None else getattr(module, "num_experts", None)
+        #: transformers 4.x: the MoE block whose nn.Linear gate this is (it takes top-k itself); None otherwise.
+        self.block = block
+        self.kind = type(module).__name__ if block is None else f"{type(block).__name__}.gate"
+        counted = module if block is None else block
+        self.experts: int | None = spec.experts if spec is not None else getattr(counted, "num_experts", None)
 
     def read(self, output: Any) -> RouterChoice:
         """The choice in `output`, or a ConfigurationError naming the router."""
@@ -113,6 +126,8 @@ class Router:
                     f"got {len(values)} values"
                 )
             indices, weights, scores = values[0], values[1], values[2] if len(values) == 3 else None
+        elif self.block is not None:
+            indices, weights, scores = self._linear_gate_choice(output)
         else:
             if not (
                 isinstance(output, tuple)
@@ -145,12 +160,43 @@ class Router:
         return RouterChoice(indices, weights, margins)
 
     @property
-    def can_replay(self) -> bool:
+    def replay_refusal(self) -> str | None:
+        """Why this router cannot replay another run's choice (None: it can)."""
+        if self.block is not None:
+            if self.renormalises:
+                return None
+            return (
+                f"{self.kind} (transformers 4.x) takes top-k of a softmax over all experts without renormalising "
+                "(norm_topk_prob=False): masking the other experts' logits would change the replayed weights; replay "
+                "it with transformers >= 5, whose routers are modules"
+            )
+        if self.kind in _SOFTMAX_ROUTERS or self.kind in _SIGMOID_ROUTERS:
+            return None
+        if self.spec is not None and self.spec.replay is not None:
+            return None
         return (
-            self.kind in _SOFTMAX_ROUTERS
-            or self.kind in _SIGMOID_ROUTERS
-            or (self.spec is not None and self.spec.replay is not None)
+            f"the replay rule of {self.kind} is not known (known: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3); "
+            "pass routers=pytest_precision.Routers(modules=..., read=..., replay=...)"
         )
+
+    @property
+    def renormalises(self) -> bool:
+        """Whether the router renormalises its top-k weights (Mixtral has no norm_topk_prob: it always does)."""
+        holder = self.module if self.block is None else self.block
+        return bool(getattr(holder, "norm_topk_prob", True))
+
+    def _linear_gate_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The choice a transformers 4.x SparseMoeBlock makes from its gate's logits (tokens, experts), by its rule:
+        top-k of the float softmax, renormalised when the block does, cast back to the logits' dtype."""
+        import torch
+
+        assert self.block is not None
+        probabilities = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_k: int = getattr(self.block, "top_k")  # noqa: B009  (an int attribute nn.Module's typing cannot see)
+        weights, indices = torch.topk(probabilities, top_k, dim=-1)
+        if self.renormalises:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return indices, weights.to(logits.dtype), logits
 
     def replayed(self, output: Any, indices: torch.Tensor) -> Any:
         """`output` had the router chosen `indices` (tokens, k): the weights come from its own scores there."""
@@ -159,6 +205,10 @@ class Router:
         if self.spec is not None:
             assert self.spec.replay is not None
             return self.spec.replay(self.module, output, indices)
+        if self.block is not None:  # the block's softmax over the replayed experts only: R3's renormalised weights
+            flat = output.reshape(indices.shape[0], -1)
+            kept = torch.zeros_like(flat, dtype=torch.bool).scatter(1, indices, True)
+            return flat.masked_fill(~kept, float("-inf")).reshape(output.shape)
         logits, weights = output[0], output[1]
         flat = logits.reshape(indices.shape[0], -1)
         if self.kind in _SIGMOID_ROUTERS:
@@ -189,23 +239,34 @@ def find_routers(model: nn.Module, spec: Routers | bool | None) -> dict[str, Rou
     if spec is False:
         return {}
     if isinstance(spec, Routers):
-        found = {
+        named = {
             name: Router(name, module, spec)
             for name, module in model.named_modules()
             if name and any(re.fullmatch(pattern, name) for pattern in spec.modules)
         }
-        if not found:
+        if not named:
             names = [name for name, _ in model.named_modules() if name]
             raise ConfigurationError(
                 f"routers: Routers(modules={list(spec.modules)!r}) matches no module of {type(model).__name__} "
                 f"(full match on names from named_modules(), e.g. {', '.join(names[:6])})"
             )
-        return found
-    return {
-        name: Router(name, module, None)
-        for name, module in model.named_modules()
-        if name and _TRANSFORMERS_ROUTER.fullmatch(type(module).__name__) and hasattr(module, "top_k")
-    }
+        return named
+    from torch import nn
+
+    found: dict[str, Router] = {}
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        if name and _TRANSFORMERS_ROUTER.fullmatch(type(module).__name__) and hasattr(module, "top_k"):
+            found[name] = Router(name, module, None)
+        parent = modules.get(name.rpartition(".")[0]) if name.endswith(".gate") else None
+        if (
+            isinstance(module, nn.Linear)
+            and parent is not None
+            and type(parent).__name__ in _LINEAR_GATE_BLOCKS
+            and hasattr(parent, "top_k")
+        ):
+            found[name] = Router(name, module, None, block=parent)
+    return found
 
 
 def checked_routers(value: object) -> Routers | bool | None:

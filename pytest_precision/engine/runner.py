@@ -284,13 +284,9 @@ class Runner:
                 f"variant {variant.name!r}: replay_routing, but the model has no router the plugin knows (transformers "
                 ">= 5 MoE routers are found by themselves); name yours with routers=pytest_precision.Routers(...)"
             )
-        unable = sorted({router.kind for router in routers.values() if not router.can_replay})
-        if unable:
-            raise ConfigurationError(
-                f"variant {variant.name!r}: replay_routing: the replay rule of {', '.join(unable)} is not known "
-                "(known: Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, DeepSeek-V3); pass "
-                "routers=pytest_precision.Routers(modules=..., read=..., replay=...)"
-            )
+        refusals = sorted({reason for router in routers.values() if (reason := router.replay_refusal) is not None})
+        if refusals:
+            raise ConfigurationError(f"variant {variant.name!r}: replay_routing: {'; '.join(refusals)}")
         if source is True:
             return self.reference_routing
         recorded = self.recorded_routing.get(str(source))

@@ -29,7 +29,7 @@ from sharded_models import (
 )
 
 import pytest_precision.distributed.ranks as distributed_module
-from conftest import tiny_llama
+from conftest import requires_transformers_routers, tiny_llama, tiny_moe
 from pytest_precision import PrecisionReport, RankFailure, Variant, compare, sharded
 from pytest_precision.base.records import Record
 from pytest_precision.base.torch_version import torch_version
@@ -250,3 +250,24 @@ def test_fsdp2_over_tensor_parallel_on_a_2x2_mesh_gives_one_process_numbers() ->
         assert 0.5 < ratio < 2.0, (name, ratio)
     as_text = json.dumps(split.to_dict(), sort_keys=True)
     assert every_rank_holds(as_text) == [as_text] * 4
+
+
+@requires_transformers_routers
+def test_moe_routing_is_refused_when_asked_for_and_off_otherwise_under_torch_distributed() -> None:
+    """Routing rows are measured in one process: asked for (replay, or Routers) under torch.distributed, every rank
+    refuses with the reason; found automatically, a sharded MoE runs without routing rows, its other rows as ever."""
+    ids = token_batch(rows=2)
+    batch = {"input_ids": ids, "labels": ids}
+    with pytest.raises(RankFailure, match=r"routing rows and routing replay are measured in one process, not under "):
+        compare(tiny_moe(seed=0), batch, ["bf16_replay"])
+    report = compare(tiny_moe(seed=0), batch, ["bf16"])
+    assert report.records("bf16", "routing") == []
+    assert report.records("bf16", "fw") and report.distributed["world_size"] == 2
+
+
+@fsdp_on_cpu
+@requires_transformers_routers
+def test_an_fsdp_sharded_moe_runs_without_routing_rows() -> None:
+    ids = token_batch(rows=2)
+    report = compare(sharded(tiny_moe(seed=0), fsdp_per_layer), {"input_ids": ids, "labels": ids}, ["bf16"])
+    assert report.records("bf16", "routing") == [] and report.records("bf16", "grad")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -391,3 +392,97 @@ def test_the_users_model_is_left_as_it_was() -> None:
     compare(model, batch(), ["bf16_replay", "bf16_decode"], isolate=True)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert hooks == [(m._forward_hooks.copy(), m._forward_pre_hooks.copy()) for m in model.modules()]
+
+
+def test_packed_routing_follows_the_calls_token_grid() -> None:
+    from pytest_precision.engine.routers import RouterChoice, packed
+
+    indices = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 2], [1, 3]])
+    weights = torch.rand(6, 2)
+    choice = RouterChoice(indices, weights, torch.arange(6, dtype=torch.float64))
+    on_grid = packed(choice, (2, 3))
+    assert on_grid.shape == (2, 3, 5) and on_grid.dtype == torch.float64
+    assert torch.equal(on_grid[1, 0, :2], torch.tensor([3.0, 2.0])) and on_grid[1, 2, 4] == 5
+    assert torch.equal(on_grid[..., 2:4].reshape(6, 2), weights.double())
+    # No grid, or one whose tokens are not the router's: one row of all tokens.
+    assert packed(choice, None).shape == (1, 6, 5)
+    assert packed(choice, (2, 4)).shape == (1, 6, 5)
+
+
+def test_nan_median_is_numpys_median_of_the_values_that_are_not_nan() -> None:
+    from pytest_precision.numbers.routing import nan_median
+
+    nan = math.nan
+    for values in ([1.0, 3.0], [5.0], [nan, 2.0, 4.0, nan], [3.0, nan, 1.0, 2.0], [7.0, 1.0, 4.0, 2.0]):
+        finite = [v for v in values if not math.isnan(v)]
+        assert float(nan_median(torch.tensor(values, dtype=torch.float64))) == pytest.approx(np.median(finite))
+    assert math.isnan(float(nan_median(torch.tensor([nan, nan], dtype=torch.float64))))
+
+
+def test_routers_know_their_expert_count_and_take_a_list_of_patterns() -> None:
+    from pytest_precision.engine.routers import find_routers
+
+    found = find_routers(tiny_moe("mixtral", seed=0), None)
+    assert {router.experts for router in found.values()} == {8}
+    spec = Routers(modules=[r"nothing", r"model\.layers\.1\.mlp\.gate"], read=read_tiny, experts=5)
+    assert spec.modules == ("nothing", r"model\.layers\.1\.mlp\.gate")
+    chosen = find_routers(tiny_moe("mixtral", seed=0), spec)
+    assert list(chosen) == ["model.layers.1.mlp.gate"] and chosen["model.layers.1.mlp.gate"].experts == 5
+    assert find_routers(tiny_moe("mixtral", seed=0), False) == {}
+    for bad in ([], [1], None):
+        with pytest.raises(ConfigurationError, match=r"Routers\(modules=\.\.\.\): give a regex or a list"):
+            Routers(modules=bad, read=read_tiny)  # type: ignore[arg-type]
+
+
+def test_routers_false_turns_transformers_routers_off() -> None:
+    report = compare(tiny_moe(seed=0), batch(), ["bf16"], routers=False)
+    assert report.records("bf16", "routing") == [] and report.records("bf16", "fw")
+
+
+class OldStyleTopkRouter(nn.Module):
+    """transformers 4.56's DeepseekV3TopkRouter returned (indices, weights): not a router the plugin can read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.top_k = 2
+        self.weight = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weights, indices = F.linear(hidden, self.weight).softmax(-1).topk(2, dim=-1)
+        return indices, weights
+
+
+class WithOldRouter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = OldStyleTopkRouter()
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, weights = self.gate(x)
+        return (self.out(x).squeeze(-1) * weights.sum(-1)).sum()
+
+
+@pytest.mark.parametrize(
+    "read, message",
+    [
+        (lambda m, o: (o[0].float(), o[1]), "expected integer indices and float weights of one shape"),
+        (lambda m, o: (o[0], o[1][..., :1]), "expected integer indices and float weights of one shape"),
+        (lambda m, o: (o[0].tolist(), o[1]), "its indices and weights must be tensors"),
+        (lambda m, o: (o[0], o[1].tolist()), "its indices and weights must be tensors"),
+    ],
+)
+def test_a_routers_read_giving_the_wrong_things_is_refused(read: Any, message: str) -> None:
+    model, x = WithOldRouter(), torch.randn(2, 3, 8)
+    with pytest.raises(ConfigurationError, match=f"router 'gate': {message}"):
+        compare(model, (x,), ["bf16"], loss_fn=lambda out, _: out, routers=Routers("gate", read))
+
+
+def test_a_transformers_like_router_of_another_output_is_refused_naming_it() -> None:
+    model, x = WithOldRouter(), torch.randn(2, 3, 8)
+    with pytest.raises(
+        ConfigurationError, match=r"router 'gate' \(OldStyleTopkRouter\) does not return \(router_logits"
+    ):
+        compare(model, (x,), ["bf16"], loss_fn=lambda out, _: out)
+    report = compare(model, (x,), ["bf16"], loss_fn=lambda out, _: out, routers=False)
+    assert report.records("bf16", "routing") == []
