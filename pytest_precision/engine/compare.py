@@ -209,9 +209,10 @@ def compare(
         then each variant) starts a phase (build, forward, backward, measure) and when it is done, with its
         wall time; it adds no host synchronisation. Default: no events.
     routers: the mixture-of-experts routers whose expert choice per token makes a "routing" row per router and run
-        (see pytest_precision.numbers.routing for its metrics): None (default) finds transformers' routers
-        (transformers >= 5), False makes none, a pytest_precision.Routers names a model's own. Variants with
-        replay_routing replay another run's choice through them (see Variant).
+        (see pytest_precision.numbers.routing for its metrics): None (default) finds transformers' routers (the
+        router modules of transformers >= 5, the nn.Linear gates of 4.x's MoE blocks; see
+        pytest_precision.engine.routers), False makes none, a pytest_precision.Routers names a model's own. Variants
+        with replay_routing replay another run's choice through them (see Variant).
 
     The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
     same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
