@@ -482,8 +482,12 @@ def test_a_reference_saved_inside_the_checkpoint_folder_does_not_change_its_dige
 #: `pytest-precision run` in a fresh interpreter; with argv[1:3] = MODULE NAME (not "-"), pytest_precision.MODULE's
 #: NAME is replaced by a function that touches argv[3] and sleeps: a run held at that step until interrupted.
 HELD_RUN = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+
+# A run started in the background by a non-interactive shell inherits SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler: give the run the handler a terminal's Ctrl-C meets.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 module, name, marker, *args = sys.argv[1:]
 if module != "-":
@@ -516,6 +520,7 @@ def interrupted_run(tmp_path: Path, args: list[str | Path], held: tuple[str, str
     module, name = held or ("-", "-")
     command = [sys.executable, "-c", HELD_RUN, module, name, str(marker), "run", *map(str, args)]
     environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment)
     writer = None
     try:
