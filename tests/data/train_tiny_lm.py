@@ -116,11 +116,11 @@ def build_model(seed: int) -> Any:
     return LlamaForCausalLM(config)
 
 
-def lr_at(step: int) -> float:
-    """Linear warm-up to PEAK_LR, then cosine decay to MIN_LR_RATIO * PEAK_LR at the last step."""
+def lr_at(step: int, steps: int = STEPS) -> float:
+    """Linear warm-up to PEAK_LR, then cosine decay to MIN_LR_RATIO * PEAK_LR at the last of `steps` steps."""
     if step < WARMUP_STEPS:
         return PEAK_LR * (step + 1) / WARMUP_STEPS
-    progress = (step - WARMUP_STEPS) / max(1, STEPS - 1 - WARMUP_STEPS)
+    progress = (step - WARMUP_STEPS) / max(1, steps - 1 - WARMUP_STEPS)
     return PEAK_LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 

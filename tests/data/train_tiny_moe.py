@@ -12,7 +12,6 @@ with a clear margin, as a real MoE's does; TRAINING.md records how peaked the ro
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import sys
@@ -59,13 +58,6 @@ def build_model(seed: int) -> Any:
     )
     torch.manual_seed(seed)
     return Qwen3MoeForCausalLM(config)
-
-
-def lr_at(step: int) -> float:
-    if step < recipe.WARMUP_STEPS:
-        return recipe.PEAK_LR * (step + 1) / recipe.WARMUP_STEPS
-    progress = (step - recipe.WARMUP_STEPS) / max(1, STEPS - 1 - recipe.WARMUP_STEPS)
-    return recipe.PEAK_LR * (recipe.MIN_LR_RATIO + (1 - recipe.MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 @torch.no_grad()
@@ -121,7 +113,7 @@ def main() -> None:
     start = time.perf_counter()
     for step in range(STEPS):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
+            group["lr"] = recipe.lr_at(step, STEPS)
         starts = torch.randint(0, len(train_data) - recipe.SEQ_LEN - 1, (recipe.BATCH_SIZE,), generator=generator)
         batch = train_data[starts[:, None] + offsets]
         output = model(input_ids=batch[:, :-1], output_router_logits=True)
