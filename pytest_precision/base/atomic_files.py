@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pytest_precision.base.errors import PrecisionError
 
 #: Temporary files of write_atomically end with this; `*.precision-tmp` in .gitignore keeps leftovers of an
 #: interrupted write out of commits, and later writes remove them (remove_stale_temporaries).
@@ -39,7 +42,14 @@ _TEMPORARY = re.compile(rf"^\..*\.(?P<pid>\d+)\.[A-Za-z0-9_]+{re.escape(TEMPORAR
 Content = str | bytes | Callable[[Path], None]
 
 
+#: Process ids are positive C ints (pid_t): 0 and negatives name process groups in os.kill, and a larger number
+#: overflows it (OverflowError).
+_PID_LIMIT = 2**31
+
+
 def _process_alive(pid: int) -> bool:
+    if not 0 < pid < _PID_LIMIT:
+        return False  # no process has it: os.kill would signal a group (0, negative) or overflow
     if sys.platform == "win32":
         return True  # os.kill(pid, 0) would terminate it there: rely on the age alone
     try:
@@ -153,6 +163,18 @@ def create_exclusively(path: Path, content: str) -> bool:
     return True
 
 
+#: A claim file is about 150 bytes: one much longer is no claim a run wrote, and is read no further.
+_CLAIM_BYTES = 4096
+#: A host or start time longer than this, or with characters that are not printable, is no claim's: it is shown
+#: in a one-line message.
+_FIELD_CHARACTERS = 255
+
+
+class ClaimFileError(PrecisionError):
+    """A claim file (or its takeover file) that is no file a claim makes (a folder, a FIFO, a symbolic link, ...),
+    or one that cannot be read: no run's claim can be judged from it, and it is never removed for the user."""
+
+
 @dataclass(frozen=True)
 class Holder:
     """Who holds a claim file: its process id, host and start time (ISO 8601, UTC); None where the file says
@@ -171,8 +193,12 @@ class Claim:
     token: str
 
     def release(self) -> None:
-        """Remove the claim file while it is still this claim's; again, or once taken over, nothing."""
-        seen = _claim_state(self.path)
+        """Remove the claim file while it is still this claim's; again, once taken over, or once replaced by
+        something that is no claim file, nothing."""
+        try:
+            seen = _claim_state(self.path)
+        except ClaimFileError:
+            return  # not this claim's file any more: left as it is
         if seen is not None and _claim_record(seen[0]).get("token") == self.token:
             self.path.unlink(missing_ok=True)
 
@@ -183,33 +209,72 @@ class Claim:
         self.release()
 
 
-def _claim_state(path: Path) -> tuple[str, int, float] | None:
-    """(content, inode, age in seconds) of a claim file, None when there is none."""
+def _file_type(mode: int) -> str | None:
+    """What a file of `mode` is, in words, when it is not a regular file (None when it is)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO (named pipe)"}
+    kinds |= {stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+    return next((words for test, words in kinds.items() if test(mode)), "not a regular file")
+
+
+def _not_a_claim(path: Path, kind: str) -> ClaimFileError:
+    return ClaimFileError(
+        f"{path} is {kind}, not a file a pytest-precision run makes; if no run is writing to {path.parent}, delete it"
+    )
+
+
+def _claim_state(path: Path) -> tuple[bytes, int, float] | None:
+    """(content, inode, age in seconds) of a claim file, None when there is none. A path that is not a regular
+    file, or cannot be read, is a ClaimFileError: never followed (a symbolic link), never waited on (a FIFO's
+    open would block until a writer comes: O_NONBLOCK), never read past _CLAIM_BYTES."""
     try:
-        with open(path, "rb") as handle:
-            content = handle.read().decode("utf-8", "replace")
-            status = os.fstat(handle.fileno())
+        kind = _file_type(os.lstat(path).st_mode)
+        if kind is not None:
+            raise _not_a_claim(path, kind)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+        descriptor = os.open(path, flags)
     except FileNotFoundError:
         return None
+    except OSError as error:
+        raise ClaimFileError(
+            f"cannot read the claim file {path} ({error.strerror or error}): another user's run may hold "
+            f"{path.parent}; if no run is writing there, delete it"
+        ) from None
+    with os.fdopen(descriptor, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        kind = _file_type(status.st_mode)  # replaced between lstat and open
+        if kind is not None:
+            raise _not_a_claim(path, kind)
+        content = handle.read(_CLAIM_BYTES + 1)
     return content, status.st_ino, time.time() - status.st_mtime
 
 
-def _claim_record(content: str) -> dict[str, Any]:
+def _claim_record(content: bytes) -> dict[str, Any]:
+    """The JSON object of a claim file; {} for anything else (too long, not UTF-8, not JSON, not an object)."""
+    if len(content) > _CLAIM_BYTES:
+        return {}
     try:
-        record = json.loads(content)
-    except ValueError:
+        record = json.loads(content.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError is one
         return {}
     return record if isinstance(record, dict) else {}
 
 
-def _holder(content: str) -> Holder:
+def _text_field(value: object) -> str | None:
+    """A host or start time as a claim writes it: short printable text (it is shown in a one-line message)."""
+    if isinstance(value, str) and 0 < len(value) <= _FIELD_CHARACTERS and value.isprintable():
+        return value
+    return None
+
+
+def _holder(content: bytes) -> Holder:
+    """Who the claim `content` names. A pid that is no process id (not an int, a bool, 0 or below, beyond a C int)
+    is no pid: such a claim is judged by its age alone, as one that names nobody."""
     record = _claim_record(content)
-    pid, host, started = record.get("pid"), record.get("host"), record.get("started")
-    return Holder(
-        pid if isinstance(pid, int) else None,
-        host if isinstance(host, str) else None,
-        started if isinstance(started, str) else None,
-    )
+    pid = record.get("pid")
+    valid = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < _PID_LIMIT
+    return Holder(pid if valid else None, _text_field(record.get("host")), _text_field(record.get("started")))
 
 
 def _holder_gone(holder: Holder, age_s: float) -> bool:
@@ -221,13 +286,17 @@ def _holder_gone(holder: Holder, age_s: float) -> bool:
     return holder.host == socket.gethostname() and not _process_alive(holder.pid)
 
 
-def _take_over(path: Path, seen: tuple[str, int, float]) -> None:
+def _take_over(path: Path, seen: tuple[bytes, int, float]) -> None:
     """Remove the dead claim `seen` at `path`, holding the takeover file meanwhile so that of two processes
     taking over at once only one removes it (the other would remove the claim the first has made since)."""
     guard = path.with_name(path.name + _TAKEOVER_SUFFIX)
     if not create_exclusively(guard, json.dumps({"pid": os.getpid(), "host": socket.gethostname()})):
         try:
-            if time.time() - guard.stat().st_mtime > STALE_TAKEOVER_SECONDS:
+            status = os.lstat(guard)  # not followed: a link's target is never judged or removed
+            kind = _file_type(status.st_mode)
+            if kind is not None:
+                raise _not_a_claim(guard, kind)
+            if time.time() - status.st_mtime > STALE_TAKEOVER_SECONDS:
                 guard.unlink(missing_ok=True)
         except FileNotFoundError:
             pass
@@ -251,7 +320,7 @@ def claim_exclusively(path: Path) -> Claim | Holder:
     """Create the claim file `path` (pid, host, start time), so that of several processes claiming it at once,
     also on other machines sharing the folder, exactly one gets the Claim. A claim left by a process that has
     ended (killed, even by SIGKILL) is taken over; a live one is returned as its Holder. OSError: the folder
-    cannot be written."""
+    cannot be written; ClaimFileError: `path` (or its takeover file) is no regular file, or cannot be read."""
     token = secrets.token_hex(16)
     record = {
         "pid": os.getpid(),

@@ -59,6 +59,23 @@ METRIC_DIRECTIONS: dict[str, Direction] = {
     "ppl_ratio": "unit",
     "ppl_ratio_se": "lower",
     "ln_ppl_corr": "higher",
+    "kl_p95": "lower",
+    "kl_p10": "lower",
+    "kl_p5": "lower",
+    "kl_p1": "lower",
+    "kl_p01": "lower",
+    "kl_min": "lower",
+    "dp_p999": "lower",
+    "dp_p90": "lower",
+    "dp_p75": "lower",
+    "dp_median": "lower",
+    "dp_p25": "lower",
+    "dp_p10": "lower",
+    "dp_p01": "lower",
+    "ppl_variant": "lower",
+    "ppl_variant_se": "lower",
+    "ppl_reference": "lower",
+    "ppl_reference_se": "lower",
     # Routing rows of mixture-of-experts routers (kind "routing", see numbers/routing.py).
     "expert_agreement": "higher",
     "top1_changed": "lower",
@@ -105,9 +122,41 @@ TOKEN_STAT_METRICS: tuple[str, ...] = (
     "ppl_ratio",
     "ppl_ratio_se",
     "ln_ppl_corr",
+    "kl_p95",
+    "kl_p10",
+    "kl_p5",
+    "kl_p1",
+    "kl_p01",
+    "kl_min",
+    "dp_p999",
+    "dp_p90",
+    "dp_p75",
+    "dp_median",
+    "dp_p25",
+    "dp_p10",
+    "dp_p01",
+    "ppl_variant",
+    "ppl_variant_se",
+    "ppl_reference",
+    "ppl_reference_se",
 )
 #: The Δp location statistics among them: signed, gated by magnitude.
-DP_LOCATION_METRICS = ("dp_mean", "dp_p1", "dp_p5", "dp_p95", "dp_p99", "dp_min", "dp_max")
+DP_LOCATION_METRICS = (
+    "dp_mean",
+    "dp_p1",
+    "dp_p5",
+    "dp_p95",
+    "dp_p99",
+    "dp_min",
+    "dp_max",
+    "dp_p999",
+    "dp_p90",
+    "dp_p75",
+    "dp_median",
+    "dp_p25",
+    "dp_p10",
+    "dp_p01",
+)
 
 #: The routing metrics of routing rows (numbers.routing.RoutingStats).
 ROUTING_METRICS: tuple[str, ...] = (
@@ -150,8 +199,11 @@ OPTIONAL_METRICS: tuple[str, ...] = (
     "dynamic_range_log2",
 )
 
-#: Metrics describing the reference rather than an error: never gated.
-DESCRIPTIVE_METRICS = frozenset({"ref_rms", "margin_median"})
+#: Metrics describing the reference, or one run on its own rather than its error, never gated (the perplexities:
+#: their ratio is the error).
+DESCRIPTIVE_METRICS = frozenset(
+    {"ref_rms", "margin_median", "ppl_variant", "ppl_variant_se", "ppl_reference", "ppl_reference_se"}
+)
 
 #: Signed metrics whose magnitude is what matters (the gate compares |value|).
 SIGNED_METRICS = frozenset({"bias_abs", "bias_rel", "delta_mean", "seq_delta_mean", *DP_LOCATION_METRICS})
@@ -259,6 +311,23 @@ class Record(TensorError):
     ppl_ratio: float | None = None
     ppl_ratio_se: float | None = None
     ln_ppl_corr: float | None = None
+    kl_p95: float | None = None
+    kl_p10: float | None = None
+    kl_p5: float | None = None
+    kl_p1: float | None = None
+    kl_p01: float | None = None
+    kl_min: float | None = None
+    dp_p999: float | None = None
+    dp_p90: float | None = None
+    dp_p75: float | None = None
+    dp_median: float | None = None
+    dp_p25: float | None = None
+    dp_p10: float | None = None
+    dp_p01: float | None = None
+    ppl_variant: float | None = None
+    ppl_variant_se: float | None = None
+    ppl_reference: float | None = None
+    ppl_reference_se: float | None = None
     # Routing rows only (numbers.routing.RoutingStats); their error metrics are those of the routing weights on the
     # tokens whose experts agree.
     expert_agreement: float | None = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_precision.base import strict_json
 from pytest_precision.base.errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -66,9 +67,11 @@ def _checkpoint_config(directory: Path) -> dict[str, Any]:
             "save_pretrained (the hub is not used)"
         )
     try:
-        config = json.loads(config_path.read_bytes().decode("utf-8"))
+        config = strict_json.loads(config_path.read_bytes().decode("utf-8"))
     except OSError as error:
         raise PrecisionError(f"cannot read {config_path}: {error.strerror or error}") from None
+    except strict_json.StrictJsonError as error:
+        raise PrecisionError(f"{config_path}: {error}; re-save the checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise PrecisionError(f"{config_path} is not valid JSON ({_one_line(error)}); re-save the checkpoint") from None
     if not isinstance(config, dict):

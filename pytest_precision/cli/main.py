@@ -80,11 +80,14 @@ as two folders; PATH may also be one baseline file. What a pull request changes,
 
 What is gated: by default the project's own gate. --metric, --rtol and --atol, each on its own; else,
 for a test of a session report that recorded its gate, that gate (what the test checked, its call's
-metrics= included); else precision_metrics, precision_rtol and precision_atol (or those flags in
-addopts) of the pytest config file pytest would read for these paths (pytest.ini, .pytest.ini,
-pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg [tool:pytest], and pytest 9's
-pytest.toml and [tool.pytest], from the paths' common folder upward); else rms_rel, rtol 0.1, atol
-1e-5. The last line of the output says what was gated, where each part came from, and which config file.
+metrics= included); else what the project's pytest resolves: diff runs `python -m pytest
+--precision-resolved-gate FILE [-c FILE] [--rootdir DIR] [-o NAME=VALUE] PATHS` in the current folder,
+and pytest reads its config file for these paths (pytest.ini, pyproject.toml, tox.ini, setup.cfg, and
+pytest 9's pytest.toml and [tool.pytest], as the installed pytest reads them), addopts and
+PYTEST_ADDOPTS, then stops before collecting; else rms_rel, rtol 0.1, atol 1e-5. Where pytest refuses
+the configuration, diff exits 2 with pytest's message. That run imports the conftest.py files and
+plugins a test run would: with --metric, --rtol and --atol all given, pytest is not asked. The last
+line of the output says what was gated, where each part came from, and which config file pytest read.
 """
 
 
@@ -126,7 +129,9 @@ def _diff(arguments: argparse.Namespace) -> int:
 
     def options(*paths: Path) -> DiffOptions:
         """The gate: the command line's, else the pytest config file's for `paths`, else built-in."""
-        return gate_options(paths, arguments.metric, arguments.rtol, arguments.atol, arguments.limit)
+        return gate_options(
+            paths, arguments.metric, arguments.rtol, arguments.atol, arguments.limit, _pytest_args(arguments)
+        )
 
     if arguments.against is not None:
         if arguments.new is not None:
@@ -156,6 +161,14 @@ def _diff(arguments: argparse.Namespace) -> int:
             code = diff_files(old, new, chosen)
     print(chosen.gate_line())
     return code
+
+
+def _pytest_args(arguments: argparse.Namespace) -> list[str]:
+    """diff's -c, --rootdir and -o, as pytest takes them (in the long form with "=": a value may start with -)."""
+    given = [("--config-file", arguments.config_file), ("--rootdir", arguments.rootdir)]
+    return [f"{flag}={value}" for flag, value in given if value is not None] + [
+        f"--override-ini={value}" for value in arguments.override_ini or []
+    ]
 
 
 def _run(arguments: argparse.Namespace) -> int:
@@ -304,6 +317,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="metric to compare (repeatable; default: the ini's precision_metrics, else rms_rel)",
     )
     diff.add_argument("--limit", type=_positive, default=30, help="rows shown per test (default 30)")
+    project = diff.add_argument_group(
+        "the project's pytest (asked for the gate unless --metric, --rtol and --atol are all given)"
+    )
+    project.add_argument(
+        "-c", "--config-file", metavar="FILE", help="the config file pytest reads, as pytest's -c (passed on)"
+    )
+    project.add_argument("--rootdir", metavar="DIR", help="pytest's --rootdir (passed on)")
+    project.add_argument(
+        "-o",
+        "--override-ini",
+        action="append",
+        metavar="NAME=VALUE",
+        help="pytest's -o, e.g. -o precision_rtol=0.05 (repeatable; passed on)",
+    )
     diff.set_defaults(handler=_diff)
 
     run = commands.add_parser(

@@ -94,7 +94,7 @@ def chosen_variants(options: RunOptions) -> list[Variant]:
                 )
             variants.append(variant)
     if options.variants_file is not None:
-        for variant in load_variants_file(options.variants_file):
+        for variant in load_variants_file(options.variants_file, earlier=[v.name for v in variants]):
             if any(v.name.lower() == variant.name.lower() for v in variants):
                 raise PrecisionError(
                     f"--variants-file {options.variants_file}: variant {variant.name!r} is also named by --variants "

@@ -14,7 +14,10 @@ this one's) unless `overwrite`: then this module's own files in it are removed f
 
 While a run goes on, its claim file `.pytest-precision-run.lock` (pid, host, start time) holds the folder: a
 second run into it is refused, also with `overwrite`, so that the files of two runs never mix. The claim goes
-when the run ends, however it ends; one left by a killed run (its pid gone on this host) is taken over.
+when the run ends, however it ends; one left by a killed run (its pid gone on this host) is taken over. One that
+names no process (no pid, or no valid one) is respected for a few seconds (being written) and then taken over;
+anything at its path that no run makes (a folder, a FIFO, a symbolic link, an unreadable file) is refused, never
+removed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_precision.base.atomic_files import Claim, claim_exclusively, claim_names, write_atomically
+from pytest_precision.base.atomic_files import (
+    Claim,
+    ClaimFileError,
+    claim_exclusively,
+    claim_names,
+    write_atomically,
+)
 from pytest_precision.base.errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -56,10 +65,14 @@ def prepare_output_dir(directory: Path, *, overwrite: bool) -> Claim:
     try:
         directory.mkdir(parents=True, exist_ok=True)
         claim = claim_exclusively(claim_path)
+    except ClaimFileError as error:  # a folder, FIFO, link, ... or an unreadable file where the claim goes
+        raise PrecisionError(f"--output-dir {directory}: {error}") from None
     except OSError as error:
         raise PrecisionError(f"--output-dir {directory}: cannot write there ({error.strerror or error})") from None
     if not isinstance(claim, Claim):
-        who = "one starting just now"  # its claim file is created, its pid not yet written
+        # Its claim file is created, its pid not yet written; or it is no run's claim (no valid pid), taken over
+        # once older than CLAIM_STARTING_SECONDS.
+        who = "one starting just now: its claim file names no process yet"
         if claim.pid is not None:
             host = f" on {claim.host}" if claim.host else ""
             started = f", started {claim.started}" if claim.started else ""

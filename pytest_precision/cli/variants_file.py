@@ -16,19 +16,25 @@ an array of tables `[[variants]]`. Each entry takes the fields of Variant that n
     quantize             a torchao config: its class name, or {"config": "Int4WeightOnlyConfig", "group_size": 32}
                          (an argument may be {"config": "PerRow"}, another torchao object, or "torch.float8_e4m3fn")
     weight_storage       "float8_e4m3fn" or "float8_e5m2" (weights round-tripped, scaled per tensor)
-    replay_routing       true (the reference's MoE routing) or the name of an earlier variant of the file
+    replay_routing       true (the reference's MoE routing) or the name of a variant listed before it
 
-Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry.
+Names are data, never paths to code: backend paths are the torch.backends settings of
+engine/backend_flag_names.py, quantize configs, argument objects and "torch.<dtype>" names those of
+engine/lowbit_formats.py (CONFIG_NAMES, ARGUMENT_NAMES, TORCH_DTYPE_NAMES).
+
+Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry, raised
+when the file is read, before anything runs.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from pytest_precision.base import strict_json
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.engine.lowbit_formats import FP8_RECIPES, STORAGE_FORMATS, QuantizeConfig
 from pytest_precision.engine.variants import Variant, checked_file_name
@@ -88,7 +94,9 @@ def _read(path: Path) -> Any:
         except toml.TOMLDecodeError as error:
             raise ConfigurationError(f"--variants-file {path}: not valid TOML ({error})") from None
     try:
-        return json.loads(text)
+        return strict_json.loads(text)
+    except strict_json.StrictJsonError as error:  # a key twice (a merge conflict) or 1e400: refused, not guessed
+        raise ConfigurationError(f"--variants-file {path}: {error}") from None
     except json.JSONDecodeError as error:
         raise ConfigurationError(
             f"--variants-file {path}: not valid JSON (line {error.lineno} column {error.colno}: {error.msg})"
@@ -115,24 +123,20 @@ def _entries(path: Path, data: Any) -> list[Any]:
 
 
 def _checked_backend(value: Any, where: str) -> dict[str, Any]:
-    """The backend flags, each an existing torch.backends attribute given a value of its own type."""
-    from pytest_precision.engine.backend_flags import _resolve_flag
+    """The backend flags, each one of the listed torch.backends settings (backend_flag_names) given a value it
+    takes, and present in this torch."""
+    from pytest_precision.engine.backend_flag_names import checked_flag_name, checked_flag_value
+    from pytest_precision.engine.backend_flags import resolve_flag
 
     if not isinstance(value, Mapping):
         raise ConfigurationError(f"{where}: backend must be {FILE_FIELDS['backend']}, got {value!r}")
     flags: dict[str, Any] = {}
     for flag, setting in value.items():
         try:
-            owner, attribute = _resolve_flag(str(flag))
+            flags[flag] = checked_flag_value(checked_flag_name(flag), setting)
+            resolve_flag(flag)  # only a listed path is walked
         except ConfigurationError as error:
             raise ConfigurationError(f"{where}: {error}") from None
-        current = getattr(owner, attribute)
-        if type(setting) is not type(current):
-            raise ConfigurationError(
-                f"{where}: backend flag {flag!r} takes a {type(current).__name__} (it is {current!r} now), "
-                f"got {setting!r}"
-            )
-        flags[str(flag)] = setting
     return flags
 
 
@@ -212,12 +216,18 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
             fields["quantize"] = QuantizeConfig.from_mapping(value, where)
         else:
             raise wrong("quantize")
-        fields["quantize"].build(where)  # a wrong name or argument fails here, naming the file and entry
+        # Every name checked against its list, then built: a wrong name, a class that is not a quantization
+        # config, or an argument torchao refuses fails here, naming the file and entry.
+        fields["quantize"].build(where)
     return fields
 
 
-def load_variants_file(path: str | Path) -> list[Variant]:
-    """The variants a JSON or TOML file describes (see the module docstring); names unique in the file."""
+def load_variants_file(path: str | Path, earlier: Collection[str] = ()) -> list[Variant]:
+    """The variants a JSON or TOML file describes (see the module docstring); names unique in the file.
+
+    The whole file is checked before anything runs: every name it resolves, and every replay_routing name
+    against the variants listed before its entry (`earlier`: those the command runs before the file's).
+    """
     path = Path(path)
     variants: list[Variant] = []
     for number, entry in enumerate(_entries(path, _read(path)), start=1):
@@ -233,6 +243,15 @@ def load_variants_file(path: str | Path) -> list[Variant]:
         if any(v.name.lower() == variant.name.lower() for v in variants):
             # Case apart: logprobs/<name>.npy of two names differing in case is one file on macOS and Windows.
             raise ConfigurationError(f"{where}: the name {variant.name!r} is given twice in the file (case apart)")
+        replayed = variant.replay_routing
+        before = [*earlier, *(v.name for v in variants)]
+        if isinstance(replayed, str) and replayed not in before:
+            # The run records a variant's routing only when it runs before the one that replays it.
+            raise ConfigurationError(
+                f"{where}: replay_routing {replayed!r} names no variant listed before this one "
+                f"({', '.join(map(repr, before)) or 'none'}); list {replayed!r} first, or give true for the "
+                "reference's routing"
+            )
         variants.append(variant)
     return variants
 

@@ -1,6 +1,7 @@
 """Pin the torch backend flags a run depends on, and restore the user's afterwards.
 
-Everything is read and set through public `torch.backends` attributes. Two generations of torch differ:
+Everything is read and set through public `torch.backends` attributes, only those that
+backend_flag_names lists (a variant's `backend` names no other). Two generations of torch differ:
 
 - torch >= 2.9 has per-backend `fp32_precision` settings (`torch.backends.cuda.matmul.fp32_precision`, ...).
   They are pinned per op; the legacy getters are never read, since after the new API has been used they
@@ -22,6 +23,7 @@ from typing import Any
 
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.base.torch_version import torch_version, version_text
+from pytest_precision.engine.backend_flag_names import checked_flag_name, checked_flag_value
 from pytest_precision.engine.variants import Variant
 
 #: The torch release that brought the per-backend `fp32_precision` settings.
@@ -71,9 +73,15 @@ def has_fp32_precision_settings() -> bool:
     return torch_version() >= FP32_PRECISION_SINCE
 
 
-def _resolve_flag(path: str) -> tuple[object, str]:
+def resolve_flag(path: str) -> tuple[object, str]:
+    """(owner, attribute) of a backend flag path, one of backend_flag_names.BACKEND_FLAGS.
+
+    Only a listed path is walked, so no dotted path reaches a module (`torch.backends.sys`), a class attribute or
+    a dunder; a listed setting this torch lacks is refused naming the torch version.
+    """
     import torch
 
+    checked_flag_name(path)
     *parents, attribute = path.split(".")
     owner: object = torch.backends
     try:
@@ -88,8 +96,7 @@ def _resolve_flag(path: str) -> tuple[object, str]:
                 "torch use the variant's matmul_precision ('high' is TF32) or 'cudnn.allow_tf32'"
             ) from None
         raise ConfigurationError(
-            f"backend flag {path!r} is not an attribute of torch.backends; use a dotted path such as "
-            "'cuda.matmul.allow_bf16_reduced_precision_reduction'"
+            f"backend flag {path!r} is not in this torch ({torch.__version__}); leave it out or use another torch"
         ) from None
     return owner, attribute
 
@@ -110,7 +117,7 @@ def _precision_snapshot() -> dict[str, Any]:
     if has_fp32_precision_settings():
         state: dict[str, Any] = {}
         for key, path in _FP32_PRECISION_PATHS.items():
-            owner, attribute = _resolve_flag(path)
+            owner, attribute = resolve_flag(path)
             state[key] = getattr(owner, attribute)
         return state
     return {
@@ -126,7 +133,7 @@ def _precision_apply(state: Mapping[str, Any]) -> None:
         if key == _LEGACY_MATMUL_KEY:
             torch.set_float32_matmul_precision(value)
         else:
-            owner, attribute = _resolve_flag(_FP32_PRECISION_PATHS.get(key, key))
+            owner, attribute = resolve_flag(_FP32_PRECISION_PATHS.get(key, key))
             setattr(owner, attribute, value)
 
 
@@ -166,8 +173,9 @@ def pinned_backend(variant: Variant, device_type: str) -> Iterator[list[FlagSett
     Yields what was set, each marked with whether it can have an effect on `device_type`.
     """
     flag_values: dict[str, Any] = dict(PINNED_FLAGS)
-    flag_values.update(variant.backend)
-    owners = {path: _resolve_flag(path) for path in flag_values}
+    # Every name and value is checked before anything is set: a refused one leaves every setting as it was.
+    flag_values.update({path: checked_flag_value(checked_flag_name(path), v) for path, v in variant.backend.items()})
+    owners = {path: resolve_flag(path) for path in flag_values}
     saved_precision = _precision_snapshot()
     saved_flags: dict[str, Any] = {}
     try:
@@ -204,6 +212,6 @@ def snapshot_backend_state(extra_paths: Mapping[str, Any] = PINNED_FLAGS) -> dic
     """The user's current values of every setting a run may touch (for isolation tests)."""
     state: dict[str, Any] = {f"precision:{key}": value for key, value in _precision_snapshot().items()}
     for path in extra_paths:
-        owner, attribute = _resolve_flag(path)
+        owner, attribute = resolve_flag(path)
         state[path] = getattr(owner, attribute)
     return state

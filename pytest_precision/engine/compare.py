@@ -54,14 +54,16 @@ def measure(
     weight_cast: bool = False,
     progress: ProgressCallback | None = None,
     progress_offset: int = 0,
+    token_stats_second_half: bool = False,
 ) -> PrecisionReport:
     """Measure each variant against the reference's stored tensors (the reference does not run again, but
     for repeats > 1, to measure its noise once per Reference). Under torch.distributed, a failure on any rank
-    fails every rank alike. `range_stats`, `weight_cast`: see compare. `progress`: see progress.py; variant i
-    is run `progress_offset + i` (1-based) of `progress_offset + len(variants)`."""
+    fails every rank alike. `range_stats`, `weight_cast`, `token_stats_second_half`: see compare. `progress`: see
+    progress.py; variant i is run `progress_offset + i` (1-based) of `progress_offset + len(variants)`."""
     progress = checked_callback(progress)
     checked_flag(range_stats, "range_stats")
     checked_flag(weight_cast, "weight_cast")
+    checked_flag(token_stats_second_half, "token_stats_second_half")
     if ref.source is None:
         where = f" from {ref.path}" if ref.path else ""
         raise ConfigurationError(
@@ -93,6 +95,7 @@ def measure(
         runner.reference_routing = {name: tensor for (name, kind), tensor in stored.items() if kind == ROUTING_KIND}
         # Set after the reference's noise passes, which measure its captured tensors only.
         runner.range_stats = range_stats
+        runner.token_stats_second_half = token_stats_second_half
         if weight_cast:
             runner.weight_cast = True
             stored = WithWeights(stored, reference_weights(ref))
@@ -161,6 +164,7 @@ def compare(
     weight_cast: bool = False,
     progress: ProgressCallback | None = None,
     routers: Routers | bool | None = None,
+    token_stats_second_half: bool = False,
 ) -> PrecisionReport:
     """Measure each variant's per-tensor error against an fp32 (or fp64) reference run of `model`.
 
@@ -213,6 +217,10 @@ def compare(
         router modules of transformers >= 5, the nn.Linear gates of 4.x's MoE blocks; see
         pytest_precision.engine.routers), False makes none, a pytest_precision.Routers names a model's own. Variants
         with replay_routing replay another run's choice through them (see Variant).
+    token_stats_second_half: True computes the logprob row's token statistics (kl_*, dp_*, top1_agreement,
+        ppl_*; see pytest_precision.numbers.token_stats) over the second half of each row only, the tokens
+        llama.cpp's `llama-perplexity --kl-divergence` scores when each row is one of its context windows
+        (predicted from positions seq // 2 and later); the row's other metrics stay over every counted token.
 
     The runs ignore the caller's torch.autocast, no_grad and inference_mode: a call inside them measures the
     same numbers as one outside. A reference run producing NaN/Inf is a ModelRunError naming the module
@@ -248,6 +256,7 @@ def compare(
     check_repeats(repeats)
     checked_flag(range_stats, "range_stats")
     checked_flag(weight_cast, "weight_cast")
+    checked_flag(token_stats_second_half, "token_stats_second_half")
     if variants is None:
         raise ConfigurationError("variants: give a non-empty list, e.g. variants=['bf16', 'fp16']")
     variant_list = resolve_variants(variants)
@@ -268,6 +277,7 @@ def compare(
             range_stats=range_stats,
             weight_cast=weight_cast,
             progress=progress,
+            token_stats_second_half=token_stats_second_half,
         )
     ref = build_reference(
         model,
@@ -297,6 +307,7 @@ def compare(
             weight_cast=weight_cast,
             progress=progress,
             progress_offset=1,
+            token_stats_second_half=token_stats_second_half,
         )
     finally:
         if cache is None:

@@ -6,6 +6,10 @@ high precision), for fp8 training only those whose two dimensions are multiples 
 with the variant's `lowbit_filter(module, name)`, those it accepts (asked about every module, the head included:
 quantize_ configs exist for embeddings too; fp8 training asks about nn.Linear modules only). Never a module of
 `fp32_modules`.
+
+A conversion is checked, not trusted: what torchao raised, and a conversion that left every chosen module as it
+was, fail the run naming the variant (a run that measured bf16 weights must never carry an int8 label). The
+modules recorded are those actually converted, so a gate can compare them with its baseline's (gate.lowbit_check).
 """
 
 from __future__ import annotations
@@ -44,7 +48,14 @@ class LowbitApplied:
     torchao: str | None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "kernels": self.kernels, "modules": len(self.modules), "torchao": self.torchao}
+        """JSON-ready: `modules` the count (as baselines before module_names held it), `module_names` sorted."""
+        return {
+            "format": self.format,
+            "kernels": self.kernels,
+            "modules": len(self.modules),
+            "module_names": sorted(self.modules),
+            "torchao": self.torchao,
+        }
 
 
 #: The format each built run model got (see model_build.build_run_model), for its RunInfo.
@@ -132,9 +143,33 @@ def _no_modules(variant: Variant, model: nn.Module, what: str) -> ConfigurationE
     )
 
 
+def _converted(
+    model: nn.Module, variant: Variant, names: list[str], what: str, converted: Callable[[str, nn.Module], bool]
+) -> tuple[str, ...]:
+    """The chosen `names` that `converted(name, module)` says took the format; a ModelRunError when none did (the
+    run would measure the high-precision model under the format's label)."""
+    modules = dict(model.named_modules())
+    taken = tuple(name for name in names if name in modules and converted(name, modules[name]))
+    if not taken:
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        raise ModelRunError(
+            f"variant {variant.name!r}: {what} converted none of the {len(names)} module(s) chosen ({shown}); the "
+            "run would measure unconverted weights under the format's label. Choose modules it converts with "
+            "lowbit_filter=lambda module, name: ..."
+        )
+    return taken
+
+
+def _parameter_types(module: nn.Module) -> dict[str, tuple[type, Any]]:
+    """Each of a module's own parameters' type and dtype: quantize_ swaps weights for torchao tensor subclasses
+    (or swaps the module)."""
+    return {name: (type(p), p.dtype) for name, p in module.named_parameters(recurse=False)}
+
+
 def _fp8_training(model: nn.Module, variant: Variant, device: torch.device, excluded: Collection[str]) -> LowbitApplied:
     torchao = import_torchao(f"variant {variant.name!r} (fp8 training)")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     names = lowbit_modules(model, variant, excluded, multiples_of_16=variant.lowbit_filter is None)
     if not names:
@@ -149,10 +184,12 @@ def _fp8_training(model: nn.Module, variant: Variant, device: torch.device, excl
         raise ModelRunError(
             f"variant {variant.name!r}: torchao's convert_to_float8_training raised {type(error).__name__}: {error}"
         ) from error
+    what = "torchao's convert_to_float8_training"
+    taken = _converted(model, variant, names, what, lambda _, module: isinstance(module, Float8Linear))
     return LowbitApplied(
         f"fp8 training, {variant.fp8_training} recipe",
         "native" if native else "emulated",
-        tuple(names),
+        taken,
         str(getattr(torchao, "__version__", "unknown")),
     )
 
@@ -168,6 +205,8 @@ def _quantized(model: nn.Module, variant: Variant, device: torch.device, exclude
     if not names:
         raise _no_modules(variant, model, f"quantize={quantize_description(variant.quantize)}")
     chosen = frozenset(names)
+    modules = dict(model.named_modules())
+    before = {name: (modules[name], _parameter_types(modules[name])) for name in names}
     try:
         with torchao_settings_kept():
             quantize_(model, config, filter_fn=lambda module, name: name in chosen)
@@ -175,13 +214,19 @@ def _quantized(model: nn.Module, variant: Variant, device: torch.device, exclude
         raise ModelRunError(
             f"{where}: torchao's quantize_ with {kind} raised {type(error).__name__}: {error}"
         ) from error
+
+    def quantized(name: str, module: nn.Module) -> bool:
+        was, types = before[name]
+        return module is not was or _parameter_types(module) != types
+
+    taken = _converted(model, variant, names, f"torchao's quantize_ with {kind}", quantized)
     kernels = "native"
     if device.type == "cpu" and "Int8DynamicActivation" in kind and not int8_matmul_exact():
         kernels = "native, inexact int8 matmuls (oneDNN without VNNI: torch._int_mm saturates)"
     return LowbitApplied(
         f"quantized inference, {quantize_description(variant.quantize)}",
         kernels,
-        tuple(names),
+        taken,
         str(getattr(torchao, "__version__", "unknown")),
     )
 
@@ -244,14 +289,23 @@ def _stored(model: nn.Module, variant: Variant, excluded: Collection[str]) -> Lo
     if not names:
         raise _no_modules(variant, model, f"weight_storage={variant.weight_storage}")
     storage = getattr(torch, str(variant.weight_storage))
-    modules = dict(model.named_modules())
-    with torch.no_grad():
-        for name in names:
-            weight = getattr(modules[name], "weight", None)
-            if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-                weight.copy_(storage_round_trip(weight, storage))
+    chosen, stored = frozenset(names), set()
+    try:
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                weight = getattr(module, "weight", None) if name in chosen else None
+                if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                    weight.copy_(storage_round_trip(weight, storage))
+                    stored.add(name)
+    except Exception as error:
+        raise ModelRunError(
+            f"variant {variant.name!r}: storing weights as {variant.weight_storage} raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    what = f"weight_storage={variant.weight_storage} (a floating-point weight each)"
+    taken = _converted(model, variant, names, what, lambda name, _: name in stored)
     described = f"fp8 weight storage, {variant.weight_storage} scaled per tensor"
-    return LowbitApplied(described, "plain casts", tuple(names), None)
+    return LowbitApplied(described, "plain casts", taken, None)
 
 
 def storage_round_trip(weight: torch.Tensor, storage: torch.dtype) -> torch.Tensor:

@@ -1,10 +1,15 @@
-"""What a saved Reference records so that loading it refuses a changed file or other weights, never measures.
+"""What a saved Reference records so that loading it refuses a changed file, another model or other weights,
+never measures.
 
 A SHA-256 of each tensor (its dtype, shape and bytes) and of the metadata: a tensor or a setting changed after
 `Reference.save` wrote the file is named at load. The checksum of the weights the reference ran with (see
 fingerprint.state_checksum): the user's model itself, or, for a factory, the model it built for the reference
 run (`RecordingProducts` takes its sums on the device, read only when saved). A loaded Reference checks a model
 at once and a factory (`CheckedFactory`) when the comparison first calls it, before anything runs.
+What besides the weights' values defines the model (model_facts.model_description: the module tree, torch.nn
+modules' settings, parameter and buffer shapes and dtypes, a transformers config): the same weights in a model
+of another `rms_norm_eps` measure something else, so a difference is refused naming the fields
+(`config.rms_norm_eps: 1e-06 in the reference, 1e-05 now`), before the weights are compared.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from pytest_precision.base.dtypes import torch_dtype
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.engine.fingerprint import _tensor_sums, same_checksum, state_checksum
 from pytest_precision.engine.model_build import FactoryProducts
+from pytest_precision.engine.model_facts import model_description
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +41,8 @@ METADATA_DIGEST_KEY = "metadata_sha256"
 PARALLEL_HASH_BYTES = 64 << 20
 #: Characters of a weights checksum's digest shown in a message.
 SHOWN_DIGEST = 16
+#: Differences of a model's description named in a refusal (the rest counted).
+SHOWN_DIFFERENCES = 3
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
@@ -99,13 +107,14 @@ def changed_parts(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], 
 
 class WeightSums:
     """state_checksum of a model with its sums left on their devices: taking it makes no host sync; `checksum()`
-    reads them (one host copy per device)."""
+    reads them (one host copy per device). With the model's description (model_facts.model_description)."""
 
     def __init__(self, model: nn.Module) -> None:
         import torch
 
         named = [*model.named_parameters(), *model.named_buffers()]
         self.training = model.training
+        self.description = model_description(model)
         self.layout = tuple((name, tuple(t.shape), str(t.dtype), str(t.device)) for name, t in named)
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for _, tensor in named:  # grouped by device in first-seen order, as fingerprint._checksum
@@ -189,8 +198,128 @@ def weights_refusal(
     )
 
 
-def check_module(path: str, model: nn.Module, recorded: Any) -> None:
-    """Refuse a model whose parameters or buffers differ from those the reference was computed with."""
+#: Stands for a field, module or tensor one side's description lacks.
+_ABSENT = object()
+#: Characters of one described value shown in a message.
+SHOWN_VALUE = 80
+
+
+def _shown(value: Any) -> str:
+    """A described value as a message shows it: a string quoted, a number as Python writes it (1e-06), a long
+    one cut, an object by its count of fields."""
+    if value is _ABSENT:
+        return "absent"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} fields"  # a whole config: its fields are not the news
+    text = repr(value)
+    return text if len(text) <= SHOWN_VALUE else text[: SHOWN_VALUE - 3] + "..."
+
+
+def _canonical(value: Any) -> str:
+    """JSON text to compare two described values by (NaN equal to itself, 1 unequal to 1.0 and True)."""
+    return json.dumps(value, sort_keys=True)
+
+
+def _config_differences(recorded: Any, now: Any, prefix: str = "config.") -> list[str]:
+    """`field: X in the reference, Y now` for each field of two config descriptions that differs; a nested dict
+    field by field (`config.rope_parameters.rope_theta`)."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        lines = []
+        for key in [*recorded, *(k for k in now if k not in recorded)]:
+            old, new = recorded.get(key, _ABSENT), now.get(key, _ABSENT)
+            if isinstance(old, dict) and isinstance(new, dict):
+                lines += _config_differences(old, new, f"{prefix}{key}.")
+            elif old is _ABSENT or new is _ABSENT or _canonical(old) != _canonical(new):
+                lines.append(f"{prefix}{key}: {_shown(old)} in the reference, {_shown(new)} now")
+        return lines
+    if _canonical(recorded) == _canonical(now):
+        return []
+    recorded = _ABSENT if recorded is None else recorded
+    now = _ABSENT if now is None else now
+    return [f"{prefix.rstrip('.')}: {_shown(recorded)} in the reference, {_shown(now)} now"]
+
+
+def _inside(name: str, modules: set[str]) -> bool:
+    """Whether `name` lies inside one of `modules` (qualified names; "" is the model itself)."""
+    return any(name == module or name.startswith(f"{module}.") for module in modules if module)
+
+
+def _keyed_differences(what: str, recorded: list[Any], now: list[Any], show: Any, named: set[str]) -> list[str]:
+    """`what name: X in the reference, Y now` for each entry [name, *rest] of two lists that differs, in the
+    reference's order, then those only `now` has; `show(rest)` says what an entry is. An entry inside a module
+    in `named` (modules found on one side only or of another class, to which each module named is added) goes
+    unnamed: its module is."""
+    old = {entry[0]: entry[1:] for entry in recorded}
+    new = {entry[0]: entry[1:] for entry in now}
+    lines = []
+    for name in [*old, *(n for n in new if n not in old)]:
+        a, b = old.get(name, _ABSENT), new.get(name, _ABSENT)
+        if _inside(name, named) or (a is not _ABSENT and b is not _ABSENT and _canonical(a) == _canonical(b)):
+            continue
+        if what == "module":
+            named.add(name)
+        shown_a = "absent" if a is _ABSENT else show(a)
+        shown_b = "absent" if b is _ABSENT else show(b)
+        lines.append(f"{what} {name or '(the model)'}: {shown_a} in the reference, {shown_b} now")
+    if not lines and [n for n in old if n in new] != [n for n in new if n in old]:
+        lines.append(f"{what}: the same names, in another order")
+    return lines
+
+
+def description_differences(recorded: Any, now: dict[str, Any]) -> list[str]:
+    """What differs between a recorded model description and `now`'s (see model_facts.model_description), one
+    line each: the config's fields, then the modules, their settings, the parameters and buffers (none inside a
+    module that one side lacks or that is of another class: that module is named). A malformed record raises
+    TypeError, ValueError, KeyError or IndexError."""
+    if not isinstance(recorded, dict):
+        raise TypeError(f"a model description is a JSON {type(recorded).__name__}, not an object")
+    now = json.loads(json.dumps(now))  # as the file holds it: lists for tuples, string keys
+    named: set[str] = set()
+    lines = _config_differences(recorded["config"], now["config"])
+    lines += _keyed_differences("module", recorded["modules"], now["modules"], lambda rest: rest[0], named)
+    old_settings, new_settings = recorded["settings"], now["settings"]
+    for module in [*old_settings, *(m for m in new_settings if m not in old_settings)]:
+        if not _inside(module, named):
+            lines += _config_differences(old_settings.get(module, {}), new_settings.get(module, {}), f"{module}.")
+    lines += _keyed_differences(
+        "parameter or buffer",
+        recorded["tensors"],
+        now["tensors"],
+        lambda rest: f"{rest[1]} {list(rest[0])}",
+        named,
+    )
+    return lines
+
+
+def check_description(call: str, recorded: Any, model: nn.Module, advice: str, whose: str = "the model") -> None:
+    """Refuse a model that is not the one described by `recorded` (None: nothing recorded, nothing to check),
+    naming the first SHOWN_DIFFERENCES differences; `call` names the load, `whose` the model checked."""
+    if recorded is None:
+        return
+    try:
+        lines = description_differences(recorded, model_description(model))
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+        raise ConfigurationError(
+            f"{call}: the model description it records is malformed ({type(error).__name__}: {error}); "
+            "re-create it with Reference.save"
+        ) from None
+    if not lines:
+        return
+    more = len(lines) - SHOWN_DIFFERENCES
+    shown = "; ".join(lines[:SHOWN_DIFFERENCES]) + (f"; and {more} more" if more > 0 else "")
+    raise ConfigurationError(
+        f"{call}: {whose} differs from the one the reference was computed with, whatever its weights ({shown}); "
+        f"{advice}"
+    )
+
+
+def check_module(path: str, model: nn.Module, recorded: Any, description: Any = None) -> None:
+    """Refuse a model other than the one the reference was computed with: another description (module tree,
+    settings, config), then other parameters or buffers."""
+    advice = "pass the same model, or compute a new reference with reference(model, inputs, ...)"
+    check_description(f"Reference.load({path!r})", description, model, advice)
+    if recorded is None:
+        return
     now = state_checksum(model)
     if not same_checksum(recorded, now):
         raise weights_refusal(
@@ -199,18 +328,20 @@ def check_module(path: str, model: nn.Module, recorded: Any) -> None:
             "here",
             recorded,
             now,
-            "pass the same model, or compute a new reference with reference(model, inputs, ...)",
+            advice,
         )
 
 
 class CheckedFactory:
-    """The factory of a loaded Reference. Before the first model it builds is used, the weights it builds in
-    the reference's dtype are checked against the checksum the file records: that model's when the first run
-    asks for that dtype, else those of one built for the check alone (and dropped before the run's is built)."""
+    """The factory of a loaded Reference. Before the first model it builds is used, the model it builds in the
+    reference's dtype is checked against the description and weights checksum the file records: that model's
+    when the first run asks for that dtype, else those of one built for the check alone (and dropped before the
+    run's is built)."""
 
-    def __init__(self, factory: ModelFactory, recorded: Any, path: str, dtype: str) -> None:
+    def __init__(self, factory: ModelFactory, recorded: Any, path: str, dtype: str, description: Any = None) -> None:
         self.factory = factory
         self.recorded = recorded
+        self.description = description
         self.path = path
         self.dtype = dtype
         self.checked = False
@@ -231,15 +362,20 @@ class CheckedFactory:
 
         if not isinstance(model, nn.Module):
             return  # not a model: build_run_model refuses it
-        now = state_checksum(model)
-        if not same_checksum(self.recorded, now):
+        call = f"Reference.load({self.path!r}, model=factory)"
+        advice = (
+            "pass the factory (or model) the reference was computed with, or compute a new reference with "
+            "reference(factory, inputs, ...)"
+        )
+        check_description(call, self.description, model, advice, f"the {self.dtype} model it builds")
+        now = None if self.recorded is None else state_checksum(model)
+        if now is not None and not same_checksum(self.recorded, now):
             raise weights_refusal(
-                f"Reference.load({self.path!r}, model=factory)",
+                call,
                 "the factory builds other weights than those the reference was computed with",
                 f"of the {self.dtype} model it builds",
                 self.recorded,
                 now,
-                "pass the factory (or model) the reference was computed with, or compute a new reference with "
-                "reference(factory, inputs, ...)",
+                advice,
             )
         self.checked = True

@@ -11,7 +11,6 @@ refuses a changed file or other weights: see pytest_precision.engine.reference_i
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import weakref
 from collections import OrderedDict
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_precision.base import strict_json
 from pytest_precision.base.atomic_files import write_atomically
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.base.records import RunInfo
@@ -28,7 +28,9 @@ from pytest_precision.engine.batch import Batch
 from pytest_precision.engine.capture import TensorKey
 from pytest_precision.engine.fingerprint import _CHUNK_WEIGHTS, CacheKey, anchored, state_checksum  # noqa: F401
 from pytest_precision.engine.model_build import FactoryProducts
+from pytest_precision.engine.model_facts import model_description
 from pytest_precision.engine.positions import Positions
+from pytest_precision.engine.reference_file import aligned, loaded_fields, save_input, unshared
 from pytest_precision.engine.variants import Variant
 
 if TYPE_CHECKING:
@@ -44,8 +46,10 @@ if TYPE_CHECKING:
 METADATA_KEY = "pytest_precision.reference"
 #: 2: the metadata records a SHA-256 of each tensor and of itself (see reference_integrity). Format 1 files
 #: (pytest-precision 0.1) record none, so a change to them cannot be seen: they are refused.
-FORMAT_VERSION = 2
-_INPUT_PREFIX = "__inputs__/"
+#: 3: it records the model's description too (model_facts.model_description: module tree, settings, parameter
+#: shapes, config). Format 2 files record the weights alone, so another model holding them cannot be told
+#: apart: they are refused too.
+FORMAT_VERSION = 3
 #: offload=None offloads on CUDA above this many bytes of parameters.
 OFFLOAD_THRESHOLD_BYTES = 1 << 30
 
@@ -93,6 +97,9 @@ class Reference:
     #: state_checksum of the model when the reference ran (None for a factory: save() records that of the model
     #: it built for the reference run); for a loaded Reference, the checksum its file records.
     checksum: tuple[Any, ...] | None = None
+    #: model_facts.model_description of the model when the reference was computed (None for a factory: save()
+    #: records that of the model it built for the reference run); for a loaded Reference, its file's.
+    description: dict[str, Any] | None = None
     #: The qualified name of the custom loss_fn the reference ran with (None: the model's own loss).
     loss_fn_name: str | None = None
     #: Where it was loaded from (None when computed here).
@@ -119,6 +126,12 @@ class Reference:
     #: What isolated runs feed each selected module (isolated.Recorded), recorded on first need.
     isolation: Recorded | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        from torch import nn
+
+        if self.description is None and self.path is None and isinstance(self.source, nn.Module):
+            self.description = model_description(self.source)  # the model as the reference runs it
+
     @property
     def model(self) -> nn.Module | ModelFactory | ShardedModel | None:
         """The model (or factory) the variants are built from; None for a Reference loaded without one."""
@@ -143,7 +156,7 @@ class Reference:
         if isinstance(model, integrity.CheckedFactory):
             model = model.factory
         if self.path is not None:
-            model = _checked(self.path, model, self.checksum, self.variant.weight_dtype)
+            model = _checked(self.path, model, self.checksum, self.variant.weight_dtype, self.description)
         return dataclasses.replace(self, source=model)
 
     def weights_checksum(self) -> tuple[Any, ...] | None:
@@ -154,6 +167,14 @@ class Reference:
         first = getattr(self.products, "first", None)
         return first.checksum() if isinstance(first, integrity.WeightSums) else None
 
+    def model_description(self) -> dict[str, Any] | None:
+        """What besides its weights' values defines the model the reference ran (see
+        model_facts.model_description), as save() records it (None when not taken)."""
+        if self.description is not None:
+            return self.description
+        first = getattr(self.products, "first", None)
+        return first.description if isinstance(first, integrity.WeightSums) else None
+
     def __repr__(self) -> str:
         source = "None" if self.model is None else type(self.model).__name__
         return (
@@ -163,8 +184,9 @@ class Reference:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the captured tensors (keys "{kind}/{name}"), the inputs and the settings as safetensors, with a
-        SHA-256 of each tensor and of the metadata and the checksum of the weights the reference ran with, which
-        Reference.load checks. Written atomically (see atomic_files), in the umask's ordinary mode; the folder
+        SHA-256 of each tensor and of the metadata, the checksum of the weights the reference ran with and the
+        model's description (module tree, settings, parameter shapes and dtypes, config), which Reference.load
+        checks. Written atomically (see atomic_files), in the umask's ordinary mode; the folder
         must exist.
 
         An input tensor given twice (the README's {"input_ids": ids, "labels": ids}) is written once and named
@@ -179,8 +201,8 @@ class Reference:
             tensors[f"{kind}/{name}"] = tensor.detach().cpu().contiguous()
         written: dict[Hashable, str] = {}
         inputs = {
-            "args": [_save_input(tensors, f"args/{i}", v, written) for i, v in enumerate(self.batch.args)],
-            "kwargs": {k: _save_input(tensors, f"kwargs/{k}", v, written) for k, v in self.batch.kwargs.items()},
+            "args": [save_input(tensors, f"args/{i}", v, written) for i, v in enumerate(self.batch.args)],
+            "kwargs": {k: save_input(tensors, f"kwargs/{k}", v, written) for k, v in self.batch.kwargs.items()},
         }
         metadata = {
             "format": FORMAT_VERSION,
@@ -194,15 +216,16 @@ class Reference:
             "clip_eps": self.clip_eps,
             "loss_fn": self.loss_fn_name,
             "checksum": None if (checksum := self.weights_checksum()) is None else list(checksum),
+            "model": self.model_description(),
             "order": order,
             "inputs": inputs,
             **({} if self.origin is None else {"origin": self.origin}),
         }
-        unshared = _unshared(tensors)
-        text = integrity.sealed(metadata, unshared)
+        written_tensors = unshared(tensors)
+        text = integrity.sealed(metadata, written_tensors)
         write_atomically(
             Path(path),
-            lambda temporary: save_file(unshared, os.fspath(temporary), metadata={METADATA_KEY: text}),
+            lambda temporary: save_file(written_tensors, os.fspath(temporary), metadata={METADATA_KEY: text}),
             make_parents=False,
         )
 
@@ -222,10 +245,12 @@ class Reference:
 
         A file that is not a whole Reference file (truncated, of another writer), or whose tensors or metadata
         differ from the SHA-256 digests it records (tampered), is a ConfigurationError naming it, never a raw
-        safetensors or JSON error. A model whose weights differ from those the file records is refused here; a
-        factory, when the comparison first calls it (see reference_integrity.CheckedFactory), before any run.
-        `check_weights=False` skips that check, for a caller that checked the weights otherwise
-        (`pytest-precision run` compares its checkpoint's SHA-256)."""
+        safetensors or JSON error. A model other than the one the file records (its description: module tree,
+        settings, parameter shapes, config) or of other weights is refused here; a factory, when the comparison
+        first calls it (see reference_integrity.CheckedFactory), before any run. A file of format 1 (no digests) or
+        2 (no description) is refused: save it again. `check_weights=False` skips the model
+        check, for a caller that checked the model otherwise (`pytest-precision run` compares the SHA-256 of
+        its checkpoint's config.json and weights)."""
         import torch
         from safetensors import safe_open
 
@@ -235,7 +260,7 @@ class Reference:
         try:
             with safe_open(shown, framework="pt", device="cpu") as handle:
                 raw = (handle.metadata() or {}).get(METADATA_KEY)
-                tensors = {key: _aligned(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118
+                tensors = {key: aligned(handle.get_tensor(key)) for key in handle.keys()}  # noqa: SIM118
         except FileNotFoundError as error:
             raise ConfigurationError(f"Reference.load({shown!r}): cannot read it: {error}") from error
         except Exception as error:  # safetensors' SafetensorError is none of OSError, ValueError, RuntimeError
@@ -243,11 +268,11 @@ class Reference:
         if raw is None:
             raise ConfigurationError(f"{incomplete} (no {METADATA_KEY} metadata); {fix}")
         try:
-            meta = json.loads(raw)
+            meta = strict_json.loads(raw)  # a key twice or 1e400 is a StrictJsonError (a ValueError): refused
             if not isinstance(meta, dict):
                 raise TypeError(f"its metadata is a JSON {type(meta).__name__}, not an object")
             version = meta.get("format")
-            fields = _loaded_fields(meta, tensors) if version == FORMAT_VERSION else None
+            fields = loaded_fields(meta, tensors) if version == FORMAT_VERSION else None
             digests = integrity.recorded_digests(meta, list(tensors)) if fields is not None else {}
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError, RecursionError) as error:
             # ConfigurationError (a bad variant spec) is a ValueError too.
@@ -257,6 +282,11 @@ class Reference:
             raise ConfigurationError(
                 f"Reference.load({shown!r}): format 1, written by pytest-precision 0.1, records no digest of its "
                 f"tensors, so a change to them cannot be seen; {fix}"
+            )
+        if version == 2:
+            raise ConfigurationError(
+                f"Reference.load({shown!r}): format 2 records the model's weights but not the model (its modules, "
+                f"settings and config), so another model holding the same weights cannot be told apart; {fix}"
             )
         if fields is None:
             raise ConfigurationError(
@@ -271,152 +301,28 @@ class Reference:
         if device is not None:
             fields["device"] = torch.device(device)
         if check_weights:
-            model = _checked(shown, model, fields["checksum"], fields["variant"].weight_dtype)
+            model = _checked(shown, model, fields["checksum"], fields["variant"].weight_dtype, fields["description"])
         return cls(source=model, loss_fn=loss_fn, offload=True, path=shown, products=FactoryProducts(), **fields)
 
 
-def _aligned(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in memory aligned as a freshly allocated one (a copy when the file's layout left it unaligned):
-    vectorised float32 sums round differently at another alignment, and a loaded Reference must measure
-    exactly what the one it was saved from did."""
-    return tensor if tensor.data_ptr() % 64 == 0 else tensor.clone()
-
-
-def _checked(path: str, model: Any, recorded: Any, dtype: str) -> Any:
-    """`model` for a Reference loaded from `path` whose file records the weights checksum `recorded` (None:
-    none, nothing to check): a model checked now, a factory wrapped to check what it builds in `dtype`."""
+def _checked(path: str, model: Any, recorded: Any, dtype: str, description: Any) -> Any:
+    """`model` for a Reference loaded from `path` whose file records the weights checksum `recorded` and the
+    model description `description` (None: none, nothing to check): a model checked now, a factory wrapped to
+    check what it builds in `dtype`."""
     from torch import nn
 
     from pytest_precision.distributed.sharding import ShardedModel
 
     if isinstance(model, integrity.CheckedFactory):
         model = model.factory
-    if recorded is None or model is None or isinstance(model, ShardedModel):
+    if (recorded is None and description is None) or model is None or isinstance(model, ShardedModel):
         return model
     if isinstance(model, nn.Module):
-        integrity.check_module(path, model, recorded)
+        integrity.check_module(path, model, recorded, description)
         return model
     if callable(model):
-        return integrity.CheckedFactory(model, recorded, path, dtype)
+        return integrity.CheckedFactory(model, recorded, path, dtype, description)
     return model
-
-
-def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors, each one sharing storage with an earlier one copied (safetensors refuses shared storage;
-    kept tensors may share, the head's output being the logits)."""
-    storages: set[int] = set()
-    unshared = {}
-    for key, tensor in tensors.items():
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in storages:
-            tensor = tensor.clone()
-        elif storage.data_ptr() != 0 and storage.nbytes() != 0:  # empty tensors share no memory
-            storages.add(storage.data_ptr())
-        unshared[key] = tensor
-    return unshared
-
-
-def _save_input(tensors: dict[str, torch.Tensor], key: str, value: Any, written: dict[Hashable, str]) -> Any:
-    """The metadata entry of one input; a tensor goes into `tensors`, once however often it is given
-    (`written`: the same view of the same memory -> the key it was written under)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        view = (
-            value.untyped_storage().data_ptr(),
-            value.storage_offset(),
-            tuple(value.shape),
-            tuple(value.stride()),
-            value.dtype,
-            value.device,
-        )
-        stored_key = written.get(view)
-        if stored_key is None:
-            stored_key = written[view] = _INPUT_PREFIX + key
-            tensors[stored_key] = value.detach().cpu().contiguous()
-        return {"tensor": stored_key, "requires_grad": bool(value.requires_grad)}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return {"value": value}
-    raise ConfigurationError(
-        f"Reference.save: input {key.split('/', 1)[1]!r} is a {type(value).__name__}; only tensors and "
-        "bool/int/float/str/None inputs can be saved"
-    )
-
-
-def _load_input(tensors: Mapping[str, torch.Tensor], entry: Any, handed: dict[str, torch.Tensor]) -> Any:
-    """One input from its metadata entry; a tensor written once for two inputs comes back as one object
-    (`handed`: key -> the tensor already given out), as the batch that was saved held it."""
-    if not isinstance(entry, dict):
-        raise TypeError(f"an input entry is a JSON {type(entry).__name__}, not an object")
-    if "tensor" in entry:
-        key, requires_grad = entry["tensor"], entry["requires_grad"]
-        if not isinstance(requires_grad, bool):
-            raise TypeError(f"input {key!r}: requires_grad is {requires_grad!r}, not true or false")
-        if key not in tensors:
-            raise ValueError(f"the input tensor {key!r} its metadata lists is not in the file")
-        tensor = handed.get(key)
-        if tensor is None:
-            tensor = handed[key] = tensors[key].requires_grad_(requires_grad)
-        elif tensor.requires_grad != requires_grad:
-            tensor = tensors[key].detach().requires_grad_(requires_grad)
-        return tensor
-    value = entry["value"]
-    if value is not None and not isinstance(value, (bool, int, float, str)):
-        raise TypeError(f"an input value is a JSON {type(value).__name__}, not a number, string, bool or null")
-    return value
-
-
-def _loaded_fields(meta: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """The Reference fields a saved file's metadata and tensors describe (all but model, loss_fn and path);
-    any inconsistency raises ValueError, KeyError or TypeError."""
-    import torch
-
-    order = meta["order"]
-    if not isinstance(order, list) or not all(
-        isinstance(pair, list) and len(pair) == 2 and all(isinstance(x, str) for x in pair) for pair in order
-    ):
-        raise TypeError("its 'order' is not a list of [name, kind] pairs")
-    missing = [f"{kind}/{name}" for name, kind in order if f"{kind}/{name}" not in tensors]
-    if missing:
-        raise ValueError(f"{len(missing)} tensor(s) its metadata lists are not in the file, e.g. {missing[0]!r}")
-    inputs = meta["inputs"]
-    if not isinstance(inputs["args"], list) or not isinstance(inputs["kwargs"], dict):
-        raise TypeError("its 'inputs' are not a list of args and an object of kwargs")
-    handed: dict[str, torch.Tensor] = {}
-    batch = Batch(
-        tuple(_load_input(tensors, v, handed) for v in inputs["args"]),
-        {k: _load_input(tensors, v, handed) for k, v in inputs["kwargs"].items()},
-    )
-    modules, module_names, checksum = meta["modules"], meta["module_names"], meta["checksum"]
-    if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
-        raise TypeError("its 'modules' is not a list of names or null")
-    if not isinstance(module_names, list) or not all(isinstance(m, str) for m in module_names):
-        raise TypeError("its 'module_names' is not a list of names")
-    if checksum is not None and not isinstance(checksum, list):
-        raise TypeError("its 'checksum' is not a list or null")
-    if not isinstance(meta["backward"], bool):
-        raise TypeError(f"its 'backward' is {meta['backward']!r}, not true or false")
-    if meta["loss_fn"] is not None and not isinstance(meta["loss_fn"], str):
-        raise TypeError("its 'loss_fn' is not a name or null")
-    origin = meta.get("origin")
-    if origin is not None and not isinstance(origin, dict):
-        raise TypeError("its 'origin' is not an object")
-    spec = {k: v for k, v in meta["reference"].items() if k != "prepare"}
-    return {
-        "batch": batch,
-        "device": torch.device(meta["device"]),
-        "variant": Variant(**spec),
-        "backward": meta["backward"],
-        "modules": None if modules is None else tuple(modules),
-        "module_names": list(module_names),
-        "temperature": float(meta["temperature"]),
-        "clip_eps": float(meta["clip_eps"]),
-        "info": RunInfo.from_dict(meta["run"]),
-        "stored": {(name, kind): tensors[f"{kind}/{name}"] for name, kind in order},
-        "checksum": None if checksum is None else tuple(checksum),
-        "loss_fn_name": meta["loss_fn"],
-        "origin": origin,
-    }
 
 
 def qualified_name(function: object) -> str:

@@ -85,6 +85,11 @@ class Routers:
             raise ConfigurationError("Routers(replay=...) must be a callable (module, output, indices) -> output")
         if self.experts is not None and (isinstance(self.experts, bool) or not isinstance(self.experts, int)):
             raise ConfigurationError(f"Routers(experts=...) must be an int, got {self.experts!r}")
+        if self.experts is not None and self.experts < 1:
+            raise ConfigurationError(
+                f"Routers(experts=...) must be the number of experts, at least 1 (got {self.experts}); or None to "
+                "take the largest index seen plus one"
+            )
 
 
 @dataclass(frozen=True)
@@ -143,21 +148,66 @@ class Router:
             scores, weights, indices = output[0], output[1], output[2]
             if self.kind in _SIGMOID_ROUTERS:
                 scores = scores.float().sigmoid() + self.module.e_score_correction_bias
+        indices, weights, scores = self._checked_shapes(indices, weights, scores)
+        if self.spec is not None:  # a user's read: its numbers are checked too (transformers' come from top-k)
+            limit = self.experts if self.experts is not None or scores is None else scores.shape[-1]
+            margins = checked_margins(f"router {self.name!r}", indices, scores, limit)
+        elif scores is None:
+            margins = torch.full((indices.shape[0],), float("nan"), dtype=torch.float64, device=indices.device)
+        else:
+            margins = choice_margins(scores, indices)
+        return RouterChoice(indices, weights, margins)
+
+    def _checked_shapes(
+        self, indices: object, weights: object, scores: object
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """indices and weights as (tokens, k), scores as (tokens, experts), or a ConfigurationError naming the router
+        and what is wrong. Shapes only: no host sync."""
+        import torch
+
         if not (isinstance(indices, torch.Tensor) and isinstance(weights, torch.Tensor)):
             raise ConfigurationError(f"router {self.name!r}: its indices and weights must be tensors")
+        if indices.dim() == 0 or indices.shape[-1] == 0:
+            raise ConfigurationError(
+                f"router {self.name!r}: its indices must be (tokens, k) with k >= 1, got shape {tuple(indices.shape)}"
+            )
         k = indices.shape[-1]
-        indices = indices.reshape(-1, k)
-        weights = weights.reshape(-1, k)
-        if indices.is_floating_point() or weights.shape != indices.shape:
+        if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+            raise ConfigurationError(f"router {self.name!r}: its indices must be integers, got {indices.dtype}")
+        if not weights.is_floating_point() or weights.shape != indices.shape:
             raise ConfigurationError(
                 f"router {self.name!r}: expected integer indices and float weights of one shape (tokens, k), got "
                 f"{indices.dtype} {tuple(indices.shape)} and {weights.dtype} {tuple(weights.shape)}"
             )
+        indices, weights = indices.reshape(-1, k), weights.reshape(-1, k)
+        tokens = indices.shape[0]
+        if self.experts is not None and k > self.experts:
+            raise ConfigurationError(
+                f"router {self.name!r} chooses k={k} experts per token but has {self.experts} experts "
+                f"(Routers(experts=...) or its num_experts); give the router's true expert count"
+            )
         if scores is None:
-            margins = torch.full((indices.shape[0],), float("nan"), dtype=torch.float64, device=indices.device)
-        else:
-            margins = choice_margins(scores.reshape(indices.shape[0], -1), indices)
-        return RouterChoice(indices, weights, margins)
+            return indices, weights, None
+        if not isinstance(scores, torch.Tensor) or not scores.is_floating_point() or scores.dim() == 0:
+            raise ConfigurationError(
+                f"router {self.name!r}: its scores must be a float tensor (tokens, experts), got "
+                f"{type(scores).__name__ if not isinstance(scores, torch.Tensor) else scores.dtype}"
+            )
+        # (tokens, experts): the last dim is the experts. A transposed (experts, tokens) tensor of the same size
+        # would reshape silently into wrong rows; its last dim is the token count instead.
+        experts = scores.shape[-1]
+        if scores.numel() != tokens * experts or (self.experts is not None and experts != self.experts):
+            expected = f"({tokens}, {self.experts if self.experts is not None else 'experts'})"
+            raise ConfigurationError(
+                f"router {self.name!r}: its scores have shape {tuple(scores.shape)}, expected {expected}: one row per "
+                f"token of its indices {tuple(indices.shape)}, the experts last"
+                + (f" (Routers(experts={self.experts}))" if self.spec is not None and self.experts is not None else "")
+            )
+        if k > experts:
+            raise ConfigurationError(
+                f"router {self.name!r} chooses k={k} experts per token from scores over {experts} experts"
+            )
+        return indices, weights, scores.reshape(tokens, experts)
 
     @property
     def replay_refusal(self) -> str | None:
@@ -204,7 +254,12 @@ class Router:
 
         if self.spec is not None:
             assert self.spec.replay is not None
-            return self.spec.replay(self.module, output, indices)
+            try:
+                return self.spec.replay(self.module, output, indices)
+            except Exception as error:  # the user's callable: blamed on it, not on the model's inputs
+                raise ConfigurationError(
+                    f"router {self.name!r}: Routers.replay raised {type(error).__name__}: {error}"
+                ) from error
         if self.block is not None:  # the block's softmax over the replayed experts only: R3's renormalised weights
             flat = output.reshape(indices.shape[0], -1)
             kept = torch.zeros_like(flat, dtype=torch.bool).scatter(1, indices, True)
@@ -221,6 +276,64 @@ class Router:
             if getattr(self.module, "norm_topk_prob", True):
                 chosen = chosen / chosen.sum(dim=-1, keepdim=True)
         return (logits, chosen.to(weights.dtype), indices.to(output[2].dtype), *output[3:])
+
+
+#: A margin below -MARGIN_SLACK x the token's largest finite |score| says the indices are not the top-k of the
+#: scores (scores of other tokens, transposed, or not those top-k was taken over); above it, a top-k taken over a
+#: monotone function of the scores (a float32 softmax of them) can still rank two nearly equal scores the other way.
+MARGIN_SLACK = 1e-3
+
+
+def checked_margins(who: str, indices: torch.Tensor, scores: torch.Tensor | None, experts: int | None) -> torch.Tensor:
+    """The margins (tokens,) of a choice read by a user's callable (NaN without scores), after checking, in one host
+    sync, that every index is an expert (0 <= index < experts; experts None: only >= 0), no token names an expert
+    twice, and the indices are the top-k of the scores (no margin below -MARGIN_SLACK x the token's scale).
+    A ConfigurationError names `who`, the token and what is wrong."""
+    import torch
+
+    tokens = indices.shape[0]
+    upper = experts if experts is not None else torch.iinfo(torch.int64).max
+    outside = (indices < 0) | (indices >= upper)
+    ordered = indices.sort(dim=-1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]).any(dim=-1)
+    flags = [outside.any(dim=-1), repeated]
+    if scores is None:
+        margins = torch.full((tokens,), float("nan"), dtype=torch.float64, device=indices.device)
+    else:
+        # Clamped, so that an index out of range cannot fault the gather (a device-side assert on CUDA) before it
+        # is reported; where every index is in range, clamping changes nothing.
+        margins = choice_margins(scores, indices.clamp(0, scores.shape[-1] - 1))
+        wide = scores.detach().to(torch.float64)
+        scale = torch.where(torch.isfinite(wide), wide.abs(), 0.0).amax(dim=-1)
+        flags.append(margins < -MARGIN_SLACK * scale)
+    bad = torch.stack([flag.any() for flag in flags]).tolist()  # the one host sync
+    if not any(bad):
+        return margins
+    if bad[0]:
+        token = int(outside.any(dim=-1).nonzero()[0, 0])
+        allowed = f"0 to {experts - 1}" if experts is not None else ">= 0"
+        raise ConfigurationError(
+            f"{who}: token {token} of {tokens} names expert(s) {indices[token].tolist()}; an expert index is "
+            f"{allowed} ({experts if experts is not None else 'unknown'} experts: Routers(experts=...) or the scores' "
+            "last dim); check what read returns, and the expert count"
+        )
+    if bad[1]:
+        token = int(repeated.nonzero()[0, 0])
+        raise ConfigurationError(
+            f"{who}: token {token} of {tokens} names an expert twice ({indices[token].tolist()}); read must return "
+            "the k distinct experts top-k chose"
+        )
+    assert scores is not None
+    token = int(flags[2].nonzero()[0, 0])
+    row = scores[token].detach().to(torch.float64)
+    chosen = indices[token].tolist()
+    other = int(row.scatter(0, indices[token], float("-inf")).argmax())
+    raise ConfigurationError(
+        f"{who}: its scores disagree with its indices: token {token} chose experts {chosen} (lowest score "
+        f"{float(row[indices[token]].min()):.6g}) over expert {other} (score {float(row[other]):.6g}); read must "
+        "return the (tokens, experts) scores top-k was taken over, in that order (not transposed; a group-limited "
+        "router: the experts of excluded groups at -inf)"
+    )
 
 
 def choice_margins(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

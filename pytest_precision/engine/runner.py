@@ -111,6 +111,8 @@ class Runner:
         #: isolated or recording runs), and give records range statistics (see range_stats.RangeStats).
         self.weight_cast = False
         self.range_stats = False
+        #: Set by measure: token statistics over the second half of each row only (compare(token_stats_second_half)).
+        self.token_stats_second_half = False
         #: The events of the run being made (see progress.py); None: none are sent.
         self.progress: RunProgress | None = None
         #: Which routers make routing rows (see routers.find_routers), their expert counts by name, and each

@@ -37,10 +37,12 @@ from pytest_precision.numbers.metrics import (
 )
 from pytest_precision.numbers.range_stats import range_from_sums, range_sums
 from pytest_precision.numbers.routing import routing_from_sums, routing_sums, top_k
-from pytest_precision.numbers.token_stats import token_stats
+from pytest_precision.numbers.token_stats import second_half, token_stats
 
 if TYPE_CHECKING:
     import torch
+
+    from pytest_precision.engine.positions import Positions
 
 
 class WithWeights(Mapping[TensorKey, "torch.Tensor"]):
@@ -244,14 +246,17 @@ class VariantPass:
         ]
         self.routing.clear()
         vectors = token_vectors(per_row, logprob_rows)
+        rows = self.runner.positions.logits_index
+        row_count = 0 if rows is None else int(rows.numel())
+        if vectors is not None and self.runner.token_stats_second_half:
+            vectors = second_half_vectors(vectors, self.runner.positions)
+            row_count = len(vectors[0])
         distribution = None
         if vectors is not None:
             kl = vectors[0]
             # A NaN KL (a non-finite variant) makes the maximum NaN, as torch.max would; max() would skip it.
             kl_max = math.nan if any(math.isnan(v) for v in kl) else max(kl, default=0.0)
             distribution = [math.fsum(kl), kl_max, math.fsum(vectors[1])]
-        rows = self.runner.positions.logits_index
-        row_count = 0 if rows is None else int(rows.numel())
         self.pending.clear()
         if self.runner.distributed:
             raw, distribution, row_count, vectors = self.runner.global_sums(raw, distribution, row_count, vectors)
@@ -295,6 +300,16 @@ def token_vectors(per_row: list[float] | None, logprob_rows: list[float] | None)
         return None
     n = len(per_row) // 2
     return [per_row[:n], per_row[n:], logprob_rows[:n], logprob_rows[n:]]
+
+
+def second_half_vectors(vectors: list[list[float]], positions: Positions) -> list[list[float]]:
+    """token_vectors' vectors at the positions llama.cpp scores only: the second half of each row (see
+    token_stats.second_half), for compare(token_stats_second_half=True)."""
+    assert positions.valid is not None and positions.valid_index is not None
+    columns = int(positions.valid.shape[1])  # the (batch, seq - 1) grid of next-token predictions
+    in_row = positions.valid_index.cpu().numpy() % max(columns, 1)
+    keep = second_half(in_row, columns + 1)
+    return [[value for value, kept in zip(vector, keep, strict=True) if kept] for vector in vectors]
 
 
 def exact_if_needed(

@@ -10,9 +10,11 @@ Infinities are written as the strings "inf" / "-inf", undefined values as null.
 `kind`, a `shape` of non-negative integers, non-negative integer `count` and `nonfinite`, every core metric
 present and each metric a number, null, "inf" or "-inf", range fractions (underflow_frac, zero_frac,
 overflow_frac) in [0, 1] and ref_absmax >= 0. Then what a schema cannot say, checked here: no NaN / Infinity
-literal anywhere, each tensor once per variant, `variant_order` listing each variant once, a recorded
+literal anywhere, no key twice in one object and no number beyond the largest float (1e400 would read as
+infinity; base.strict_json), each tensor once per variant, `variant_order` listing each variant once, a recorded
 `loss_scale` null or a finite positive power of two. Anything else is a BaselineError naming the file, the
-variant, the tensor and the field.
+variant, the tensor and the field. A low-bit run's `lowbit` block (format, module count and names) is checked
+too: the gate compares it with a run's (gate.lowbit_check).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pytest_precision.base import strict_json
 from pytest_precision.base.errors import BaselineError, ConfigurationError
 from pytest_precision.base.file_names import WINDOWS_DEVICE_NAMES, windows_device_name
 from pytest_precision.base.records import METRIC_NAMES, Record
@@ -285,7 +288,9 @@ def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -
     if not text.strip():
         raise BaselineError(f"precision baseline {name} is empty. {fix}")
     try:
-        data = json.loads(text, parse_constant=_NonStandardLiteral)
+        data = strict_json.loads(text, parse_constant=_NonStandardLiteral)
+    except strict_json.StrictJsonError as error:
+        raise BaselineError(f"precision baseline {name}: {_place(error)}. {fix}") from None
     except (json.JSONDecodeError, RecursionError) as error:
         where = (
             f" (line {error.lineno}, column {error.colno}: {error.msg})"
@@ -307,6 +312,27 @@ def load_baseline(path: Path, refresh_hint: str, *, shown: Path | None = None) -
     if problem:
         raise BaselineError(f"precision baseline {name}: {problem}. {fix}")
     return Baseline(path, data)
+
+
+def _place(error: strict_json.StrictJsonError) -> str:
+    """Where a strict_json problem is, in the words of the file's reader: the variant (or the reference), the
+    tensor (name and kind) and the key; elsewhere the key's dotted path."""
+    path, document = error.path, error.document
+    where = None
+    if len(path) >= 2 and path[0] == "variants":
+        where = f"variant {path[1]!r}"
+        rest = path[2:]
+    elif path[:1] == ("reference",):
+        where, rest = "the reference", path[1:]
+    if where is None or not rest:
+        return f"field {strict_json.dotted(path)!r} {error.reason}"
+    if len(rest) >= 3 and rest[0] == "records" and isinstance(rest[1], int):
+        record = strict_json.value_at(document, path[: len(path) - len(rest) + 2])
+        name = record.get("name") if isinstance(record, dict) else None
+        kind = f" ({record.get('kind')})" if isinstance(record, dict) and isinstance(record.get("kind"), str) else ""
+        tensor = f"tensor {name!r}{kind}" if isinstance(name, str) else f"records[{rest[1]}]"
+        return f"{where}, {tensor}: field {strict_json.dotted(rest[2:])!r} {error.reason}"
+    return f"{where}: field {strict_json.dotted(rest)!r} {error.reason}"
 
 
 def _literal_problem(value: Any, where: str) -> str | None:
@@ -337,7 +363,7 @@ def _document_problem(data: dict[str, Any]) -> str | None:
         return variant_order_problem(order, variants)
     problem = _loss_scale_problem(data.get("reference") or {}, "the reference")
     for variant, entry in variants.items():
-        problem = problem or _loss_scale_problem(entry, f"variant {variant!r}")
+        problem = problem or _loss_scale_problem(entry, f"variant {variant!r}") or _lowbit_problem(entry, variant)
         seen: set[tuple[str, str]] = set()
         for record in entry["records"]:
             key = (record["name"], record["kind"])
@@ -355,6 +381,18 @@ def _loss_scale_problem(entry: dict[str, Any], where: str) -> str | None:
     return f"{where}: field 'loss_scale' is {scale!r}, not a finite positive power of two (or null)"
 
 
+def _lowbit_problem(entry: dict[str, Any], variant: str) -> str | None:
+    """A recorded low-bit block (the schema holds its types) counts its module names in 'modules'."""
+    lowbit = (entry.get("run") or {}).get("lowbit") or {}
+    names = lowbit.get("module_names")
+    if names is None or lowbit["modules"] == len(names):
+        return None
+    return (
+        f"variant {variant!r}: field 'run.lowbit.modules' is {lowbit['modules']}, but 'module_names' lists "
+        f"{len(names)} modules"
+    )
+
+
 def document(report: PrecisionReport, test_id: str, environment: dict[str, Any]) -> dict[str, Any]:
     """The whole baseline file content for a report."""
     data = payload(report, test_id)
@@ -369,8 +407,9 @@ def numbers_unchanged(path: Path, new: dict[str, Any]) -> bool:
     from pytest_precision.reports.environment import DRIFT_FIELDS
 
     try:
-        old = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        # Strictly: a file holding a key twice reads as the last value and could equal `new`; it is rewritten.
+        old = strict_json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):  # JSONDecodeError and StrictJsonError too
         return False
     if not isinstance(old, dict):
         return False

@@ -1,7 +1,8 @@
 """`pytest-precision diff`: two baseline files, two folders of baselines, or the baselines committed at a git
 ref against the working tree. NEW fails against OLD when a metric got worse beyond the tolerance, when it no
-longer checks something OLD checked (a variant, a tensor, a defined metric), or, for folders, when a baseline
-of OLD is gone (a dropped gate). Unreadable files are PrecisionErrors naming the file (exit 2).
+longer checks something OLD checked (a variant, a tensor, a defined metric), when a variant converted another
+format or other modules below 16 bits, or, for folders, when a baseline of OLD is gone (a dropped gate).
+Unreadable files are PrecisionErrors naming the file (exit 2).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pytest_precision.base.errors import PrecisionError
 from pytest_precision.gate.baseline import baseline_stem, owned_document, parse_baseline_name
 from pytest_precision.gate.diff_gate import DiffOptions as DiffOptions
 from pytest_precision.gate.diff_gate import check_carried, recorded_gates
+from pytest_precision.gate.lowbit_check import lowbit_changes
 from pytest_precision.gate.report_files import _read_json, reports_in
 
 if TYPE_CHECKING:
@@ -33,7 +35,8 @@ def _undefined(value: float | None) -> bool:
 
 
 def diff_rows(old: PrecisionReport, new: PrecisionReport, metrics: Sequence[str]) -> list[Row]:
-    """(variant, tensor, kind, metric, old, new, new/old) for tensors in both, largest change first."""
+    """(variant, tensor, kind, metric, old, new, new error / old error) for tensors in both, largest change
+    first."""
     rows = []
     for variant in new.variants:
         if variant not in old.variants:
@@ -45,9 +48,19 @@ def diff_rows(old: PrecisionReport, new: PrecisionReport, metrics: Sequence[str]
                 continue
             for metric in metrics:
                 a, b = previous.metric(metric), record.metric(metric)
-                ratio = None if a is None or b is None or a == 0 or math.isnan(a) or math.isnan(b) else b / a
-                rows.append((variant, record.name, record.kind, metric, a, b, ratio))
+                rows.append((variant, record.name, record.kind, metric, a, b, _error_ratio(metric, a, b)))
     return sorted(rows, key=_change, reverse=True)
+
+
+def _error_ratio(metric: str, before: float | None, after: float | None) -> float | None:
+    """How many times its error (its distance from perfect: 1 - cosine, ...) the metric's new value holds, as
+    the gate compares it; None when either is undefined or the old error is 0."""
+    from pytest_precision.gate.tolerance import metric_magnitude
+
+    if before is None or after is None or math.isnan(before) or math.isnan(after):
+        return None
+    old_error, new_error = metric_magnitude(metric, before), metric_magnitude(metric, after)
+    return None if old_error == 0 else new_error / old_error
 
 
 def _change(row: Row) -> float:
@@ -129,13 +142,19 @@ def print_test(
 
     rows = diff_rows(old, new, options.metrics)
     got_worse = {row for row in rows if _worse(row, options.tolerances)}
-    lost = lost_checks(old, new, options.metrics)
+    # A variant that converted another format or other modules below 16 bits measures something else: it fails.
+    converted = lowbit_changes(
+        {v: old.runs[v].lowbit for v in old.variants}, {v: new.runs[v].lowbit for v in new.variants}
+    )
+    lost = converted + lost_checks(old, new, options.metrics)
     only_new = [v for v in new.variants if v not in old.variants]
     changed = bool(lost or only_new or _tensors(old) != _tensors(new) or any(_change(row) > 0 for row in rows))
     if short_if_unchanged and not changed:
         print(f"== {label}: unchanged ({len(rows)} tensor metrics)")
         return 0, False
     lost_note = f"; {len(lost)} check{'s' if len(lost) > 1 else ''} lost or newly non-finite" if lost else ""
+    if converted:
+        lost_note = lost_note.replace("lost or newly non-finite", "lost, newly non-finite or converted otherwise")
     print(f"== {label}: {len(got_worse)} of {len(rows)} tensor metrics worse beyond {options.describe()}{lost_note}")
     for line in lost:
         print(f"  {line}")

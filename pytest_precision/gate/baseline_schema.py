@@ -103,9 +103,13 @@ def _message(error: Any, data: dict[str, Any], literal: type[str], literal_hint:
         return f"{where} is {json_type(block)}, not an object"
     if inner[0] in ("spec", "run") and len(inner) == 1:
         return f"{where}: {inner[0]!r} is {json_type(block[inner[0]])}, not an object"
-    if inner[0] == "run":
+    if inner[0] == "run" and inner[1] == "loss_scale":
         scale = block["run"][inner[1]]
         return f"{where}: field {inner[1]!r} is {scale!r}, not a finite positive power of two (or null)"
+    if inner[0] == "run":  # another field of a run (lowbit): its whole value against the schema's description
+        value = block["run"][inner[1]]
+        text = str(schema(version)["$defs"]["run"]["properties"][inner[1]]["description"])
+        return f"{where}: field 'run.{inner[1]}' is {_shown(value)}, not {text}"
     if len(inner) == 1:  # 'records'
         return f"{where}: 'records' is {json_type(block['records'])}, not a list of records"
     index = int(inner[1])
@@ -131,6 +135,12 @@ def _message(error: Any, data: dict[str, Any], literal: type[str], literal_hint:
     not_a_number = isinstance(value, (list, dict)) or (isinstance(value, str) and value not in ("inf", "-inf"))
     text_of = "rms_rel" if field not in _RECORD_FIELD_ORDER and not_a_number else field
     return f"{shown} is {value!r}, not {_field_text('record', text_of, version)}"
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, cut when long."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({json_type(value)})"
 
 
 def variant_order_problem(order: Any, variants: Any) -> str:

@@ -4,8 +4,9 @@
   2. for a test of a session report that recorded the gate it ran (its "gate" entry), that gate: its metrics
      where 1 names none, its tolerances where 1 sets neither rtol nor atol. It is what the test's gate checked
      (a call's metrics= and tolerances over the config file's), so it outranks the config file;
-  3. the project's pytest config file, found as pytest finds it (ini_file.py): precision_metrics,
-     precision_rtol, precision_atol (or their flags in addopts);
+  3. what the project's pytest resolves, asked of pytest itself (pytest_gate.py): precision_metrics,
+     precision_rtol, precision_atol from its config file, addopts, PYTEST_ADDOPTS, and the -c, --rootdir and
+     -o that `diff` passes on; pytest's own refusal of the configuration is an error;
   4. built-in: rms_rel at rtol 0.1, atol 1e-5, the plugin's defaults.
 
 So a review (`diff --against main`) checks by default what the project's gate checks, not less.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_precision.base.errors import ConfigurationError, PrecisionError
+from pytest_precision.base.errors import PrecisionError
 
 if TYPE_CHECKING:
     from pytest_precision.gate.tolerance import Level
@@ -39,11 +40,11 @@ class DiffOptions:
     metrics: Sequence[str]
     tolerances: ToleranceRules
     limit: int
-    #: A flag (--metric), a config file setting ("pytest.ini precision_metrics") or BUILT_IN.
+    #: A flag (--metric), where pytest found the setting ("pytest.ini precision_metrics") or BUILT_IN.
     metrics_from: str = BUILT_IN
     rtol_from: str = BUILT_IN
     atol_from: str = BUILT_IN
-    #: The pytest config file that was read, as shown to the user ("" when none was looked for).
+    #: The config file pytest read, as shown to the user ("" when pytest was not asked).
     config: str = ""
     #: Options of one test, taken from the gate its session report recorded.
     recorded: bool = False
@@ -58,7 +59,7 @@ class DiffOptions:
 
     def gate_line(self) -> str:
         """One line: what was gated, where each part came from, and which pytest config file was read."""
-        config = self.config or "not looked for"
+        config = self.config or "not asked (--metric, --rtol and --atol given)"
         return (
             f"gate: metrics {', '.join(self.metrics)} ({self.metrics_from}); "
             f"{_quantity(self.tolerances, 'rtol')} ({self.rtol_from}); "
@@ -92,13 +93,19 @@ def _quantity(rules: ToleranceRules, quantity: str) -> str:
 
 
 def gate_options(
-    paths: Sequence[Path], metrics: Sequence[str] | None, rtol: Level | None, atol: Level | None, limit: int
+    paths: Sequence[Path],
+    metrics: Sequence[str] | None,
+    rtol: Level | None,
+    atol: Level | None,
+    limit: int,
+    pytest_args: Sequence[str] = (),
 ) -> DiffOptions:
     """The options of `diff` on `paths`: `metrics`, `rtol` and `atol` as given on the command line (None: not
-    given), else the project's pytest config file's, else the built-in ones (see the module doc)."""
+    given), else what the project's pytest resolves for `paths` and `pytest_args` (-c, --rootdir, -o), else the
+    built-in ones (see the module doc). pytest is not asked when the command line sets all three."""
     from pytest_precision.base.records import METRIC_DIRECTIONS
-    from pytest_precision.gate.ini_file import find_ini_file
-    from pytest_precision.gate.tolerance import DEFAULT_METRICS, base_of_levels, parsed_level, validated_metrics
+    from pytest_precision.gate.pytest_gate import PytestGate, ask_pytest
+    from pytest_precision.gate.tolerance import DEFAULT_METRICS, base_of_levels
     from pytest_precision.gate.tolerance_rules import ToleranceRules
 
     if metrics:
@@ -107,22 +114,20 @@ def gate_options(
             raise PrecisionError(
                 f"--metric: unknown metric(s) {', '.join(unknown)}; choose from {', '.join(METRIC_DIRECTIONS)}"
             )
-    ini = find_ini_file(paths)
-    chosen, metrics_from = (list(metrics), METRIC_FLAG) if metrics else (list(DEFAULT_METRICS), BUILT_IN)
-    found = None if metrics else ini.gate_setting("precision_metrics")
-    if found is not None:
-        try:
-            chosen = validated_metrics(found[0].replace(",", " ").split())
-        except ConfigurationError as error:
-            raise ConfigurationError(f"{found[1]}: {error}") from None
-        metrics_from = found[1]
+    asked = not (metrics and rtol is not None and atol is not None)
+    project = ask_pytest(paths, pytest_args) if asked else PytestGate(config="")
+    chosen, metrics_from = list(metrics or project.metrics or DEFAULT_METRICS), METRIC_FLAG
+    if not metrics:
+        metrics_from = project.source("precision_metrics") if project.metrics else BUILT_IN
     levels: dict[str, Level] = {}
     sources: dict[str, str] = {}
     for quantity, given in (("rtol", rtol), ("atol", atol)):
-        levels[quantity], sources[quantity] = (given, f"--{quantity}") if given is not None else ((None, {}), BUILT_IN)
-        setting = None if given is not None else ini.gate_setting(f"precision_{quantity}")
-        if setting is not None:
-            levels[quantity], sources[quantity] = parsed_level(setting[0], setting[1]), setting[1]
+        if given is not None:
+            levels[quantity], sources[quantity] = given, f"--{quantity}"
+        else:
+            levels[quantity] = getattr(project, quantity)
+            unset = levels[quantity] == (None, {})
+            sources[quantity] = BUILT_IN if unset else project.source(f"precision_{quantity}")
     base, per_metric = base_of_levels(levels["rtol"], levels["atol"])
     return DiffOptions(
         chosen,
@@ -131,7 +136,7 @@ def gate_options(
         metrics_from=metrics_from,
         rtol_from=sources["rtol"],
         atol_from=sources["atol"],
-        config=ini.shown(),
+        config=project.config,
     )
 
 

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_precision.base import strict_json
 from pytest_precision.base.errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -21,11 +22,13 @@ def _read_json(path: Path) -> dict[str, Any]:
     if b"\x00" in raw[:8192]:
         raise PrecisionError(f"{path} is a binary file, not a baseline or session report (JSON text)")
     try:
-        data = json.loads(raw.decode("utf-8-sig"))
+        data = strict_json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as error:
         raise PrecisionError(
             f"{path} is not UTF-8 text (byte {error.start}), not a baseline or session report (JSON text)"
         ) from None
+    except strict_json.StrictJsonError as error:
+        raise PrecisionError(f"{path}: {error}; re-create it (a baseline: --update-baselines)") from None
     except json.JSONDecodeError as error:
         raise PrecisionError(f"{path} is not valid JSON (line {error.lineno}: {error.msg})") from None
     except RecursionError:

@@ -1,9 +1,19 @@
 """When is a tensor's error a regression: tolerances, their precedence, and absolute limits.
 
-Regression rule, per tensor and gated metric, in the metric's direction:
-  lower is better  (rms, max, |bias|, residual): fail when obtained > expected * (1 + rtol) + atol
-  higher is better (correlation, cosine, sqnr):  fail when obtained < expected * (1 - rtol) - atol
-  closer to one    (slope, as |1 - slope|):      fail when |1 - obtained| > |1 - expected| * (1 + rtol) + atol
+Regression rule, per tensor and gated metric, on the metric's error (its distance from perfect):
+  lower is better  (rms, max, |bias|, residual): the error is the value (|value| for a signed metric)
+  closer to one    (slope, ppl_ratio):           the error is |1 - value|
+  higher is better, perfect 1 (cosine, correlation, top1_agreement, expert_agreement, ...): 1 - value
+  higher is better, in decibels (sqnr_db):       the noise-to-signal amplitude 10^(-sqnr_db / 20)
+and a tensor fails when error(obtained) > error(expected) * (1 + rtol) + atol. So rtol is the same promise
+for every metric: rtol 2.1 allows 3.1x the baseline's error, whether that error is an rms_rel or 1 - cosine, and
+no rtol, however large, accepts any value (a bound on the value, expected * (1 - rtol), is negative from
+rtol 1 on, and at rtol 0.1 a cosine of 0.99999 would accept 0.9, 10,000x its error). atol is an absolute
+allowance on that same error (1e-5 lets 1 - cosine reach 1e-5 from an exact baseline). SQNR is taken as an
+amplitude, not a power, because 10^(-sqnr_db / 20) = sqrt(sum (y-x)^2 / sum x^2) is rms_rel itself: rtol and
+atol on sqnr_db then mean what they mean on rms_rel (rtol 0.1 is 0.83 dB). 1 - cosine and 1 - correlation
+grow as the square of an uncorrelated error's amplitude (1 - cosine ~ rms_rel^2 / 2), so the same rtol on them
+is the tighter gate on the amplitude: 3.1x 1 - cosine is 1.76x rms_rel.
 `nonfinite` fails whenever it rises above the baseline, whatever the tolerance.
 
 Defaults (rtol 0.10, atol 1e-5 on rms_rel): the same code on the same machine reproduces a run bit for
@@ -96,69 +106,95 @@ class Violation:
 
     @property
     def ratio(self) -> float | None:
-        """obtained / expected in the metric's "worse" sense (None when undefined)."""
+        """error(obtained) / error(expected), each the metric's distance from perfect (see metric_magnitude);
+        None when undefined or when both errors are 0, inf when only the baseline's is."""
         if self.expected is None or self.obtained is None:
             return None
-        direction = METRIC_DIRECTIONS.get(self.metric, "lower")
         expected, obtained = metric_magnitude(self.metric, self.expected), metric_magnitude(self.metric, self.obtained)
-        if direction == "higher":
-            expected, obtained = obtained, expected
         if expected == 0:
             return math.inf if obtained > 0 else None
         return obtained / expected
 
 
+#: Higher-is-better metrics measured in decibels (perfect: +inf dB); every other higher-is-better metric is a
+#: fraction of perfect whose perfect value is 1 (a cosine, a correlation, a share of agreeing tokens or experts).
+DECIBEL_METRICS = frozenset({"sqnr_db"})
+
+
 def metric_magnitude(metric: str, value: float) -> float:
-    if METRIC_DIRECTIONS.get(metric) == "unit":
+    """The error the gate compares for `metric` at `value`, its distance from perfect (see the module doc): the
+    value of a lower-is-better metric, |value| of a signed one, |1 - value| for slope and ppl_ratio, 1 - value for
+    a higher-is-better fraction (0 above 1: float rounding of a perfect cosine), 10^(-value / 20) for sqnr_db."""
+    direction = METRIC_DIRECTIONS.get(metric)
+    if direction == "unit":
         return abs(1.0 - value)
+    if direction == "higher":
+        if metric in DECIBEL_METRICS:
+            return _amplitude(value)
+        return max(1.0 - value, 0.0)
     if metric in SIGNED_METRICS:
         return abs(value)
     return value
 
 
-def allowed_value(metric: str, expected: float, tolerance: Tolerance, spread: float = 0.0) -> float:
-    """The worst value of `metric` that still passes against `expected` (a magnitude for unit/signed).
+def _amplitude(decibels: float) -> float:
+    """The amplitude ratio 10^(-decibels / 20): 0 at +inf dB, inf at -inf dB and where it overflows."""
+    try:
+        return math.pow(10.0, -decibels / 20.0)
+    except OverflowError:  # below about -6160 dB
+        return math.inf
+
+
+def value_of_error(metric: str, error: float) -> float:
+    """The higher-is-better `metric`'s value at `error` (the inverse of metric_magnitude): 1 - error, or
+    -20 log10(error) dB (+inf at an error of 0, -inf at an infinite one)."""
+    if metric not in DECIBEL_METRICS:
+        return 1.0 - error
+    if error == 0:
+        return math.inf
+    return -math.inf if math.isinf(error) else -20.0 * math.log10(error)
+
+
+def allowed_error(metric: str, expected: float, tolerance: Tolerance, spread: float = 0.0) -> float:
+    """The largest error (metric_magnitude) of `metric` that still passes against `expected`: error(expected) *
+    (1 + rtol) + atol (inf when unbounded; the count itself for nonfinite).
 
     A tensor measured with repeats whose runs differed (non-deterministic kernels) gets at least
     NOISE_FACTOR times that spread of tolerance.
     """
-    direction = METRIC_DIRECTIONS.get(metric, "lower")
     if metric == "nonfinite":
         return expected
     if tolerance.unbounded:
-        return -math.inf if direction == "higher" else math.inf
-    noise = NOISE_FACTOR * spread
-    if direction == "higher":
-        return min(_scaled(expected, 1 - tolerance.rtol) - tolerance.atol, expected - noise)
+        return math.inf
     magnitude = metric_magnitude(metric, expected)
-    return max(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + noise)
+    return max(magnitude * (1 + tolerance.rtol) + tolerance.atol, magnitude + NOISE_FACTOR * spread)
 
 
-def _scaled(value: float, factor: float) -> float:
-    """value * factor, with 0 for a zero factor even when value is infinite (sqnr_db of an exact tensor)."""
-    return 0.0 if factor == 0 else value * factor
+def allowed_value(metric: str, expected: float, tolerance: Tolerance, spread: float = 0.0) -> float:
+    """The worst value of `metric` that still passes against `expected`, as a message shows it: a magnitude for
+    lower-is-better, unit and signed metrics, the smallest passing value for a higher-is-better one (see
+    allowed_error)."""
+    allowed = allowed_error(metric, expected, tolerance, spread)
+    if METRIC_DIRECTIONS.get(metric) == "higher":
+        return value_of_error(metric, allowed)
+    return allowed
 
 
 def is_worse(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
-    """Whether `obtained` regressed past the tolerance of `expected` in the metric's direction."""
+    """Whether `obtained` regressed past the tolerance of `expected`: its error above allowed_error."""
     if math.isnan(expected) or math.isnan(obtained) or (metric != "nonfinite" and tolerance.unbounded):
         return False
-    allowed = allowed_value(metric, expected, tolerance, spread)
-    if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
-        return obtained < allowed
-    return metric_magnitude(metric, obtained) > allowed
+    return metric_magnitude(metric, obtained) > allowed_error(metric, expected, tolerance, spread)
 
 
 def is_better(metric: str, expected: float, obtained: float, tolerance: Tolerance, spread: float = 0.0) -> bool:
-    """Whether `obtained` improved past the tolerance: below expected * (1 - rtol) - atol (mirrored)."""
+    """Whether `obtained` improved past the tolerance: its error below error(expected) * (1 - rtol) - atol."""
     if metric == "nonfinite" or math.isnan(expected) or math.isnan(obtained) or tolerance.unbounded:
         return False
-    noise = NOISE_FACTOR * spread
-    if METRIC_DIRECTIONS.get(metric, "lower") == "higher":
-        return obtained > max(expected * (1 + tolerance.rtol) + tolerance.atol, expected + noise)
     magnitude = metric_magnitude(metric, expected)
+    # inf * (1 - 1) is NaN (a baseline at -inf dB): no improvement can be claimed, and NaN compares False.
     return metric_magnitude(metric, obtained) < min(
-        magnitude * (1 - tolerance.rtol) - tolerance.atol, magnitude - noise
+        magnitude * (1 - tolerance.rtol) - tolerance.atol, magnitude - NOISE_FACTOR * spread
     )
 
 

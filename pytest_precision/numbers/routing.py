@@ -18,7 +18,7 @@ router of unknown expert count: one, to size the load counts).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -142,6 +142,38 @@ def routing_from_sums(stats: Sequence[float], weight_sums: Sequence[float]) -> t
         flip_margin_max=_finite_or_none(flip_max),
         margin_median=_finite_or_none(margin_median),
     )
+
+
+def routing_mismatch(
+    runs: Mapping[str, Mapping[str, torch.Tensor]],
+    reference: Mapping[str, torch.Tensor],
+    index: torch.Tensor | None,
+    trainer: object,
+    sampler: object = None,
+) -> dict[str, float]:
+    """Per router label, the set_disagreement of run `trainer` against run `sampler` (None: the `reference`), from
+    `runs` (variant name -> router label -> routing tensor). A name that is not a run's, or a router that one of the
+    two runs called and the other did not, is a ConfigurationError naming it: a router left out would read as one
+    that agrees."""
+    from pytest_precision.base.errors import ConfigurationError
+
+    known = ", ".join(runs) or "none"
+    for argument, name in (("trainer", trainer), ("sampler", sampler)):
+        if (name is not None or argument == "trainer") and (not isinstance(name, str) or name not in runs):
+            raise ConfigurationError(
+                f"routing_mismatch: no routing of variant {name!r} (the {argument}) in this report; variants with "
+                f"routing: {known} (compare() keeps it in memory for models with routers, not in files)"
+            )
+    assert isinstance(trainer, str)
+    first, second = runs[trainer], reference if sampler is None else runs[str(sampler)]
+    names = (trainer, "the reference" if sampler is None else str(sampler))
+    for label in sorted(set(first) ^ set(second)):
+        routed, unrouted = names if label in first else names[::-1]
+        raise ConfigurationError(
+            f"routing_mismatch: router {label!r} routed no token in run {unrouted!r} (never called there), but did in "
+            f"run {routed!r}; the two runs must call the same routers"
+        )
+    return {label: set_disagreement(first[label], second[label], index) for label in first}
 
 
 def set_disagreement(a: torch.Tensor, b: torch.Tensor, index: torch.Tensor | None) -> float:

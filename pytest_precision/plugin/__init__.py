@@ -31,6 +31,7 @@ from pytest_precision.plugin.launcher import (  # noqa: E402
 )
 from pytest_precision.plugin.options import (  # noqa: E402
     ALIAS_TAKEN_KEY,
+    OPTION_RESOLVED_GATE,
     UPDATE_ALIAS,
     UPDATE_FLAGS,
     add_options,
@@ -69,6 +70,17 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     finally:
         if not add_update_alias(parser):
             early_config.stash[ALIAS_TAKEN_KEY] = True
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    # --precision-resolved-gate FILE (what `pytest-precision diff` asks): write the gate and run nothing. Other
+    # sessions do not import the module.
+    if config.getoption(OPTION_RESOLVED_GATE) is None:
+        return None
+    from pytest_precision.plugin.resolved_gate import write_resolved_gate
+
+    return write_resolved_gate(config)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -7,9 +7,9 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_precision.base.records import KINDS, Record
+from pytest_precision.base.records import KINDS, METRIC_DIRECTIONS, Record
 from pytest_precision.gate.drift import DriftAllowance
-from pytest_precision.gate.tolerance import Violation
+from pytest_precision.gate.tolerance import DECIBEL_METRICS, Violation
 from pytest_precision.reports.tables import format_number, render
 
 #: Rows shown before "... N more", shared between the failing variants.
@@ -78,19 +78,36 @@ def _ratio(violation: Violation) -> str:
     return "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
 
 
+#: The most significant digits a value near 1 is shown with: beyond float64's ~16, digits are rounding noise.
+_MAX_DIGITS = 15
+
+
+def format_value(metric: str, value: float | None) -> str:
+    """format_number, except a higher-is-better fraction near 1 (cosine, correlation, agreement), shown with
+    enough digits that its distance from 1, the error the gate compares, keeps 3 significant digits: at 4
+    digits a baseline of 0.99999 and an allowed 0.99998 both read "1"."""
+    if value is None or METRIC_DIRECTIONS.get(metric) != "higher" or metric in DECIBEL_METRICS:
+        return format_number(value)
+    error = 1.0 - value
+    if not 0 < error < 1e-2:
+        return format_number(value)
+    digits = min(3 - math.floor(math.log10(error)), _MAX_DIGITS)
+    return f"{value:.{digits}g}"
+
+
 def _row(v: Violation) -> list[str]:
     if v.reason in ("missing", "new"):
         what = "variant" if v.name == "*" else "tensor"
         side = "not in this run" if v.reason == "missing" else "not in the baseline"
         return [v.variant, v.name, v.kind, f"{v.reason} {what}", side, "", "", ""]
     if v.reason == "limit":
-        obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
-        return [v.variant, v.name, v.kind, v.metric, "(limit)", obtained, "", format_number(v.allowed)]
+        obtained = UNDEFINED if v.obtained is None else format_value(v.metric, v.obtained)
+        return [v.variant, v.name, v.kind, v.metric, "(limit)", obtained, "", format_value(v.metric, v.allowed)]
     if v.reason == "undefined":
-        expected = UNDEFINED if v.expected is None else format_number(v.expected)
-        obtained = UNDEFINED if v.obtained is None else format_number(v.obtained)
+        expected = UNDEFINED if v.expected is None else format_value(v.metric, v.expected)
+        obtained = UNDEFINED if v.obtained is None else format_value(v.metric, v.obtained)
         return [v.variant, v.name, v.kind, v.metric, expected, obtained, "", ""]
-    expected, obtained, allowed = (format_number(x) for x in (v.expected, v.obtained, v.allowed))
+    expected, obtained, allowed = (format_value(v.metric, x) for x in (v.expected, v.obtained, v.allowed))
     return [v.variant, v.name, v.kind, v.metric, expected, obtained, _ratio(v), allowed]
 
 
@@ -158,20 +175,14 @@ def regression_message(
     full_list: str = FULL_LIST_HINT,
 ) -> str:
     ordered = execution_order(violations, order)
-    tensors = {(v.variant, v.name, v.kind) for v in ordered}
-    variants = {v.variant for v in ordered}
-    percent = 100.0 * len(tensors) / gated if gated else 100.0
     first = ordered[0]
     if first.name == "*":
         state = "new (not in the baseline)" if first.reason == "new" else "missing from this run"
         where = f"variant {first.variant} is {state}"
     else:
         where = f"{first.variant} {first.name} ({first.kind})"
+    lines = [f"precision regressed: {regression_counts(ordered, gated)}; first: {where}"]
     nonfinite = [v for v in ordered if v.reason == "nonfinite"]
-    lines = [
-        f"precision regressed: {len(tensors)} / {gated} tensors ({percent:.1f}%) in {len(variants)} variant(s); "
-        f"first: {where}",
-    ]
     if nonfinite:
         lines.append(
             "non-finite values (NaN/Inf) where the baseline had none: "
@@ -186,6 +197,28 @@ def regression_message(
         f"If the change is intended, refresh it: {refresh_command(nodeid)}",
     ]
     return "\n".join(lines)
+
+
+def regression_counts(violations: Sequence[Violation], gated: int) -> str:
+    """ "F / G tensors (P%) in V variant(s)": F of the G tensors that are in both the baseline and the run failed
+    (a part of a whole, never above 100%), then what is in only one of them, counted apart (", and 12 tensor(s)
+    and 1 variant(s) missing from this run, 1 tensor(s) new (not in the baseline)")."""
+    failed = {(v.variant, v.name, v.kind) for v in violations if v.reason not in ("missing", "new")}
+    variants = len({v.variant for v in violations})
+    if gated:
+        compared = f"{len(failed)} / {gated} tensors ({100.0 * len(failed) / gated:.1f}%)"
+    else:
+        compared = "no tensor in both the baseline and this run"
+    apart = []
+    for reason, side in (("missing", "missing from this run"), ("new", "new (not in the baseline)")):
+        counts = []
+        for what, whole in (("tensor", False), ("variant", True)):
+            rows = {(v.variant, v.name, v.kind) for v in violations if v.reason == reason and (v.name == "*") == whole}
+            if rows:
+                counts.append(f"{len(rows)} {what}(s)")
+        if counts:
+            apart.append(f"{' and '.join(counts)} {side}")
+    return f"{compared} in {variants} variant(s)" + (f", and {', '.join(apart)}" if apart else "")
 
 
 def _undefined_lines(violations: Sequence[Violation]) -> list[str]:

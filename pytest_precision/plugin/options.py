@@ -26,6 +26,8 @@ OPTION_METRICS = "precision_metrics"
 OPTION_UPDATE_MODE = "precision_update_mode"
 OPTION_FAIL_STALE = "precision_fail_stale"
 OPTION_DRIFT_RTOL = "precision_drift_rtol"
+#: --precision-resolved-gate FILE (no ini twin): write the resolved gate as JSON and stop (resolved_gate.py).
+OPTION_RESOLVED_GATE = "precision_resolved_gate"
 #: What --update-baselines rewrites: every file whose numbers moved (all), only files whose test fails or
 #: that are missing (failing), only missing files (missing).
 UPDATE_MODES = ("all", "failing", "missing")
@@ -254,6 +256,14 @@ def add_options(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager
         dest=OPTION_REPORT,
         metavar="DIR",
         help="write DIR/precision-report.json: every precision test's outcome, baseline and records",
+    )
+    group.addoption(
+        "--precision-resolved-gate",
+        default=None,
+        dest=OPTION_RESOLVED_GATE,
+        metavar="FILE",
+        help="write the gate this configuration resolves to (metrics, rtol, atol, drift rules, where each was "
+        "set) to FILE as JSON and exit without running tests; pytest-precision diff asks pytest this way",
     )
     parser.addini("precision_gpu", "like --precision-gpu", type="bool", default=False)
     parser.addini(OPTION_STRICT, "like --precision-strict", type="bool", default=False)

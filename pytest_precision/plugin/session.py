@@ -249,6 +249,7 @@ class PrecisionSession:
         from pytest_precision.gate import baseline as baselines
         from pytest_precision.gate.checks import check_against_baseline, check_carried, check_limits, undefined_metrics
         from pytest_precision.gate.drift import drift_allowance, environment_differences
+        from pytest_precision.gate.lowbit_check import lowbit_failure
         from pytest_precision.gate.tolerance import DEFAULT_METRICS, validated_metrics
         from pytest_precision.gate.tolerance_rules import ToleranceRules
         from pytest_precision.plugin import messages
@@ -347,7 +348,9 @@ class PrecisionSession:
         result = check_against_baseline(loaded.records(), obtained, rules, gated_metrics)
         if result.worst_ratio is not None:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
-        parts = []
+        # Fewer or other modules converted below 16 bits measure something else (their error may even fall).
+        lowbit = lowbit_failure(loaded.data, report, str(shown), messages.refresh_command(nodeid))
+        parts = [] if lowbit is None else [lowbit]
         rows = result.gated * len(gated_metrics)
         full_list = self._full_list_hint(item.nodeid, shown, rows)
         if result.violations:
@@ -370,7 +373,7 @@ class PrecisionSession:
             parts.append(messages.improvement_message(result.improvements, shown, nodeid, order, full_list=full_list))
         if self.update and self.update_mode == "failing" and parts:
             return update()  # the rewritten file holds this run's numbers: nothing improved against it
-        if result.improvements and not self.strict:
+        if result.improvements and not self.strict and lowbit is None:
             self.improvements[nodeid] = len({(v.variant, v.name, v.kind) for v in result.improvements})
         if self.update and self.update_mode == "failing":
             return "kept", None

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from pytest_precision.base.records import KINDS, METRIC_NAMES, Record, ReportData, RunInfo
 from pytest_precision.numbers.cross_engine import logprob_record
 from pytest_precision.numbers.logprobs import DEFAULT_CLIP_EPS
-from pytest_precision.reports.tables import format_report, kl_divergence_table
+from pytest_precision.reports.llama_cpp import kl_divergence_lines
+from pytest_precision.reports.tables import format_report
 
 if TYPE_CHECKING:
     from pytest_precision.numbers.cross_engine import LogprobSource
@@ -98,29 +99,19 @@ class PrecisionReport(ReportData):
         """Per router (by label), the share of the counted tokens whose top-k expert set differs between the runs of
         `trainer` and `sampler` (None: the reference): e.g. a trainer variant against a sampler (decode) variant.
         From the routing compare() keeps in memory for mixture-of-experts models (not in report files)."""
-        from pytest_precision.base.errors import ConfigurationError
-        from pytest_precision.numbers.routing import set_disagreement
+        from pytest_precision.numbers.routing import routing_mismatch
 
-        runs = {**self.routing_choices}
-        known = ", ".join(runs) or "none"
-        for name in (trainer, sampler):
-            if name is not None and name not in runs:
-                raise ConfigurationError(
-                    f"routing_mismatch: no routing of variant {name!r} in this report; variants with routing: {known} "
-                    "(compare() keeps it in memory for models with routers, not in files)"
-                )
-        a = runs[trainer]
-        b = self.reference_routing if sampler is None else runs[sampler]
-        return {label: set_disagreement(a[label], b[label], self.routing_index) for label in a if label in b}
+        return routing_mismatch(self.routing_choices, self.reference_routing, self.routing_index, trainer, sampler)
 
     def format(self, *, full: bool = True) -> str:
         """The error-propagation summary per variant and, with `full`, every tensor's row."""
         return format_report(self, full=full)
 
     def format_kl_divergence(self) -> str:
-        """llama.cpp's KL-divergence statistics (perplexity ratio, KLD, Δp, same top p) per variant, in its
-        layout: what quantized models are compared by (see pytest_precision.numbers.token_stats)."""
-        return "\n".join(kl_divergence_table(self))
+        """Every statistic llama.cpp's `llama-perplexity --kl-divergence` prints (perplexities and their ratio,
+        KLD, Δp, same top p), per variant, line for line in its layout: what quantized models are compared by
+        (see pytest_precision.numbers.token_stats and reports.llama_cpp). "" without logprob rows."""
+        return "\n".join(kl_divergence_lines(self))
 
     def __str__(self) -> str:
         return self.format()

@@ -273,55 +273,6 @@ def logprob_table(report: PrecisionReport) -> list[str]:
     return render(header, rows)
 
 
-def _with_error(value: float | None, error: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
-    if value is None:
-        return "-"
-    text = f"{scale * value:{spec}}{unit}"
-    return text if error is None else f"{text} ± {scale * error:{spec}}{unit}"
-
-
-#: llama.cpp's `--kl-divergence` statistics, in its order: (label, metric, error metric or None, format).
-KL_DIVERGENCE_ROWS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("Mean PPL(Q)/PPL(base)", "ppl_ratio", "ppl_ratio_se", ".6f"),
-    ("Cor(ln(PPL(Q)), ln(PPL(base)))", "ln_ppl_corr", None, "%"),
-    ("Mean    KLD", "kl_mean", "kl_mean_se", ".6f"),
-    ("Maximum KLD", "kl_max", None, ".6f"),
-    ("99.9%   KLD", "kl_p999", None, ".6f"),
-    ("99.0%   KLD", "kl_p99", None, ".6f"),
-    ("90.0%   KLD", "kl_p90", None, ".6f"),
-    ("Median  KLD", "kl_median", None, ".6f"),
-    ("Mean    Δp", "dp_mean", "dp_mean_se", "%"),
-    ("Maximum Δp", "dp_max", None, "%"),
-    ("99.0%   Δp", "dp_p99", None, "%"),
-    ("95.0%   Δp", "dp_p95", None, "%"),
-    (" 5.0%   Δp", "dp_p5", None, "%"),
-    (" 1.0%   Δp", "dp_p1", None, "%"),
-    ("Minimum Δp", "dp_min", None, "%"),
-    ("RMS Δp", "dp_rms", "dp_rms_se", "%"),
-    ("Same top p", "top1_agreement", "top1_agreement_se", "%"),
-)
-
-
-def kl_divergence_table(report: PrecisionReport) -> list[str]:
-    """llama.cpp's `llama-perplexity --kl-divergence` statistics of every variant with a logprob row (Q: the
-    variant, base: the reference), one column per variant; "±" is the standard error over the tokens."""
-    columns = {v: rows[0] for v in report.variants if (rows := report.records(v, "logprob"))}
-    if not columns:
-        return []
-    body = []
-    for label, metric, error, spec in KL_DIVERGENCE_ROWS:
-        cells = []
-        for record in columns.values():
-            value = record.metric(metric)
-            uncertainty = None if error is None else record.metric(error)
-            if spec == "%":
-                cells.append(_with_error(value, uncertainty, ".3f", 100.0, "%"))
-            else:
-                cells.append(_with_error(value, uncertainty, spec))
-        body.append([label, *cells])
-    return render(["statistic", *columns], body)
-
-
 def decomposition_table(report: PrecisionReport) -> list[str]:
     """Cross-engine rows: delta = floor + (e_a - e_b), each side's error against its own reference."""
     rows = [

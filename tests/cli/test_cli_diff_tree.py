@@ -417,7 +417,7 @@ METRICS_IN = [
 if int(pytest.__version__.split(".")[0]) >= 9:  # pytest 9's own TOML file and pyproject's native table
     METRICS_IN += [
         ("pytest.toml", '[pytest]\nprecision_metrics = "rms_rel max_rel"\n'),
-        ("pyproject.toml", '[tool.pytest]\nprecision_metrics = ["rms_rel", "max_rel"]\n'),
+        ("pyproject.toml", '[tool.pytest]\nprecision_metrics = "rms_rel max_rel"\n'),
     ]
 
 
@@ -470,6 +470,54 @@ def test_addopts_wins_over_the_ini_key_as_on_the_command_line(
     assert code == 1 and "(pytest.ini addopts --precision-metrics)" in gate
 
 
+def test_the_gate_is_what_pytest_resolves_addopts_environment_and_passed_on_options_included(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The issue's case: the ini says precision_rtol = 0.5, its addopts -o 0.01 (which pytest 9 applies, pytest
+    8.0 does not); NEW's rms_rel of one tensor is 1.3x OLD's. diff gates as the installed pytest does."""
+    monkeypatch.chdir(tmp_path)
+    write_baseline(tmp_path / "old", TEST_A)
+    write_baseline(tmp_path / "new", TEST_A, factor=1.3)
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -o precision_rtol=0.01\nprecision_rtol = 0.5\n")
+    code, _, _, gate = gated(capsys, "diff", "old", "new")
+    if int(pytest.__version__.split(".")[0]) >= 9:
+        assert code == 1 and "; rtol 0.01 (pytest.ini addopts -o precision_rtol); " in gate
+    else:
+        assert code == 0 and "; rtol 0.5 (pytest.ini precision_rtol); " in gate
+    # diff's -o and -c go to pytest; PYTEST_ADDOPTS is pytest's own.
+    code, _, _, gate = gated(capsys, "diff", "old", "new", "-o", "precision_rtol=0.02")
+    assert code == 1 and "; rtol 0.02 (command line -o precision_rtol); " in gate
+    (tmp_path / "ci.ini").write_text("[pytest]\nprecision_rtol = 0.03\n")
+    code, _, _, gate = gated(capsys, "diff", "old", "new", "-c", "ci.ini")
+    assert code == 1 and gate.endswith(
+        "; rtol 0.03 (ci.ini precision_rtol); atol 1e-05 (built-in); pytest config: ci.ini"
+    )
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--precision-rtol=0.4")
+    code, _, _, gate = gated(capsys, "diff", "old", "new")
+    assert code == 0 and "; rtol 0.4 (PYTEST_ADDOPTS --precision-rtol); " in gate
+    # With --metric, --rtol and --atol all given, pytest is not asked (nor its conftest.py files imported).
+    monkeypatch.setenv("PYTEST_ADDOPTS", "--no-such-option")
+    code, _, err = cli(capsys, "diff", "old", "new", "--metric", "rms_rel", "--rtol", "0.5")
+    assert code == 2 and "unrecognized arguments: --no-such-option" in err
+    code, _, _, gate = gated(capsys, "diff", "old", "new", "--metric", "rms_rel", "--rtol", "0.5", "--atol", "0")
+    assert code == 0 and gate.endswith("pytest config: not asked (--metric, --rtol and --atol given)")
+
+
+def test_a_configuration_pytest_refuses_exits_2_with_pytests_message(
+    capsys: pytest.CaptureFixture[str], project: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (project / "setup.cfg").write_text("[pytest]\nprecision_metrics = rms_rel max_rel\n")
+    code, _, err = cli(capsys, "diff", "old", "new")
+    assert code == 2 and err.startswith("pytest-precision diff: pytest refuses the project's configuration")
+    assert err.endswith(
+        ": [pytest] section in setup.cfg files is no longer supported, change to [tool:pytest] instead.\n"
+    )
+    (project / "setup.cfg").unlink()
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")  # pytest here runs without the plugin
+    code, _, err = cli(capsys, "diff", "old", "new")
+    assert code == 2 and "pytest here does not load pytest-precision, so no precision gate applies" in err
+
+
 def test_diff_against_a_ref_gates_what_the_projects_ini_gates(capsys: pytest.CaptureFixture[str], repo: Path) -> None:
     (repo / "pyproject.toml").write_text('[tool.pytest.ini_options]\nprecision_metrics = "rms_rel max_rel"\n')
     write_baseline(repo / "baselines", TEST_A, max_rel=10.0)  # not committed: what the pull request changes
@@ -517,18 +565,21 @@ def test_a_scratch_copy_elsewhere_still_gets_the_projects_config(
 @pytest.mark.parametrize(
     ("ini", "message"),
     [
-        ("precision_metrics = rms_rel max_rell", "pytest.ini precision_metrics: metrics: unknown metric 'max_rell'"),
-        ("precision_metrics =", "pytest.ini precision_metrics is empty: give it a value, or remove it"),
-        ("precision_rtol = max_rel=0.1 max_rel=50", "pytest.ini precision_rtol: max_rel is given twice"),
-        ("precision_atol = lots", "pytest.ini precision_atol must be a number, got 'lots'"),
+        ("precision_metrics = rms_rel max_rell", "precision_metrics: metrics: unknown metric 'max_rell'"),
+        ("precision_metrics =", "ini precision_metrics (in {}/pytest.ini or -o) is empty (an unset variable?)"),
+        ("precision_rtol = max_rel=0.1 max_rel=50", "precision_rtol: max_rel is given twice"),
+        ("precision_atol = lots", "precision_atol must be a number, got 'lots'"),
     ],
 )
-def test_a_bad_gate_setting_in_the_config_file_exits_2_naming_it(
+def test_a_bad_gate_setting_in_the_config_file_exits_2_with_pytests_message(
     capsys: pytest.CaptureFixture[str], project: Path, ini: str, message: str
 ) -> None:
     (project / "pytest.ini").write_text(f"[pytest]\n{ini}\n")
     code, _, err = cli(capsys, "diff", "old", "new")
-    assert code == 2 and err.startswith(f"pytest-precision diff: {message}"), err
+    assert code == 2 and err.startswith(
+        f"pytest-precision diff: pytest refuses the project's configuration, so its gate is unknown (`python -m "
+        f"pytest` in {project}, exit 4): {message.format(project)}"
+    ), err
 
 
 def test_a_metric_no_compared_file_holds_exits_2(capsys: pytest.CaptureFixture[str], trees: Any) -> None:
@@ -621,6 +672,7 @@ def test_help_says_what_is_gated_by_default(capsys: pytest.CaptureFixture[str]) 
         main(["diff", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "the project's own gate" in text
-    assert "pytest.ini, .pytest.ini, pyproject.toml [tool.pytest.ini_options], tox.ini [pytest], setup.cfg" in text
+    assert "else what the project's pytest resolves: diff runs `python -m pytest --precision-resolved-gate" in text
+    assert "Where pytest refuses the configuration, diff exits 2 with pytest's message" in text
     assert "--metric, --rtol and --atol, each on its own; else, for a test of a session report" in text
-    assert text.index("that gate (what the test checked") < text.index("precision_metrics, precision_rtol")
+    assert text.index("that gate (what the test checked") < text.index("what the project's pytest resolves")

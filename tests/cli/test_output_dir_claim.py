@@ -26,6 +26,7 @@ from pytest_precision.base.atomic_files import (
     CLAIM_STARTING_SECONDS,
     STALE_TAKEOVER_SECONDS,
     Claim,
+    ClaimFileError,
     Holder,
     claim_exclusively,
     claim_names,
@@ -267,7 +268,10 @@ def test_a_live_run_refuses_a_second_one_also_with_overwrite(tmp_path: Path) -> 
             other.kill()
     assert json.loads((output / CLAIM_FILE).read_text())["pid"] == other.pid  # not taken while it lived
     (output / CLAIM_FILE).write_text("")
-    with pytest.raises(PrecisionError, match=r"^another pytest-precision run \(one starting just now\) is writing "):
+    with pytest.raises(
+        PrecisionError,
+        match=r"^another pytest-precision run \(one starting just now: its claim file names no process yet\) is ",
+    ):
         prepare_output_dir(output, overwrite=True)
 
 
@@ -340,7 +344,8 @@ def test_two_runs_started_together_into_one_new_folder_never_mix_their_files(tmp
             f"pytest-precision run: another pytest-precision run (pid {processes[winner].pid} on {HOST}, started ",
             f"pytest-precision run: --output-dir {output} is not empty: ",  # the winner had ended already
             # the winner's claim file was there, its pid not yet written in it
-            f"pytest-precision run: another pytest-precision run (one starting just now) is writing {output}; ",
+            "pytest-precision run: another pytest-precision run (one starting just now: its claim file names no "
+            f"process yet) is writing {output}; ",
         )
     ), err
     # Every file is the winner's: its variant, and the inputs its seed makes.
@@ -354,3 +359,160 @@ def test_two_runs_started_together_into_one_new_folder_never_mix_their_files(tmp
     assert not torch.equal(made["fp16"], made["bf16"])
     assert torch.equal(load_file(output / "inputs.safetensors")["input_ids"], made[winner])
     assert not (output / CLAIM_FILE).exists()
+
+
+def claim_then(path: Path, make: str) -> None:
+    """Put at the claim path `path` what no run makes (`make`), its target where it has one."""
+    if make == "fifo":
+        os.mkfifo(path)
+    elif make == "folder":
+        path.mkdir()
+        (path / "kept.txt").write_text("mine")
+    elif make == "link to a claim":
+        write_claim(path.with_name("elsewhere.lock"), os.getpid())
+        path.symlink_to(path.with_name("elsewhere.lock"))
+    elif make == "dangling link":
+        path.symlink_to(path.with_name("nowhere"))
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        ("fifo", "a FIFO (named pipe)"),
+        ("folder", "a folder"),
+        ("link to a claim", "a symbolic link"),
+        ("dangling link", "a symbolic link"),
+    ],
+)
+def test_a_claim_path_that_is_no_file_is_refused_in_one_line_and_left_alone(
+    tmp_path: Path, make: str, kind: str
+) -> None:
+    """A FIFO made `run` wait forever for a writer; a folder read as 'cannot write there (Is a directory)', a link
+    was followed. Each is one line, exit 2, and is left where it is (never the run's to remove)."""
+    output = tmp_path / "out"
+    output.mkdir()
+    claim_then(output / CLAIM_FILE, make)
+    before = sorted((p.name, p.is_symlink()) for p in output.rglob("*"))
+    process = cli_process(TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--output-dir", output, "--quiet")
+    try:
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 2
+    assert err == (
+        f"pytest-precision run: --output-dir {output}: {output / CLAIM_FILE} is {kind}, not a file a "
+        f"pytest-precision run makes; if no run is writing to {output}, delete it\n"
+    )
+    assert sorted((p.name, p.is_symlink()) for p in output.rglob("*")) == before
+
+
+def test_a_takeover_file_that_is_no_file_is_refused_naming_it(tmp_path: Path) -> None:
+    path = write_claim(tmp_path / CLAIM_FILE, ended_pid())
+    guard = tmp_path / claim_names(path)[1]
+    guard.mkdir()
+    old = time.time() - STALE_TAKEOVER_SECONDS - 5
+    os.utime(guard, (old, old))
+    with pytest.raises(ClaimFileError, match=rf"^{guard} is a folder, not a file a pytest-precision run makes; "):
+        claim_exclusively(path)
+    assert guard.is_dir() and path.exists()
+
+
+def test_an_unreadable_claim_file_is_refused_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's claim (their umask 077) cannot be read: it may hold the folder, so it is not taken over.
+    EACCES is simulated: this suite may run as root, which reads any file."""
+    output = tmp_path / "out"
+    output.mkdir()
+    claim = write_claim(output / CLAIM_FILE, 1)
+    opened = os.open
+
+    def refused(path: str | Path, flags: int, *args: int, **kwargs: object) -> int:
+        if Path(path) == claim and not flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied")
+        return opened(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(atomic_files.os, "open", refused)
+    code, err = cli_run(TINY_LLAMA_DIR, "--length", "8", "--output-dir", output, "--quiet")
+    assert code == 2
+    assert err == (
+        f"pytest-precision run: --output-dir {output}: cannot read the claim file {claim} (Permission denied): "
+        f"another user's run may hold {output}; if no run is writing there, delete it\n"
+    )
+    assert claim.exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        {"pid": 10**30, "host": "HOST"},  # OverflowError in os.kill before
+        {"pid": 2**31, "host": "HOST"},
+        {"pid": -1, "host": "HOST"},  # os.kill(-1, 0): every process, so "alive" before
+        {"pid": 0, "host": "HOST"},  # os.kill(0, 0): this process group
+        {"pid": True, "host": "HOST"},  # pid 1 before
+        {"pid": 12.0, "host": "HOST"},
+        {"pid": "12.5", "host": "HOST"},
+        b'{"pid": 1, "host": "\xff"}',  # not UTF-8
+        b"{" + b" " * 10_000 + b'"pid": 1, "host": "HOST"}',  # no claim is that long
+    ],
+)
+def test_a_claim_naming_no_valid_process_is_refused_while_young_and_taken_over_when_old(
+    tmp_path: Path, content: dict[str, object] | bytes
+) -> None:
+    """Judged like a claim being written: one line and exit 2 while it is younger than CLAIM_STARTING_SECONDS,
+    then taken over; never a traceback, never a pid that is no process shown or signalled."""
+    output = tmp_path / "out"
+    output.mkdir()
+    claim = output / CLAIM_FILE
+    if isinstance(content, bytes):
+        claim.write_bytes(content.replace(b"HOST", HOST.encode()))
+    else:
+        claim.write_text(json.dumps({k: HOST if v == "HOST" else v for k, v in content.items()}))
+    code, err = cli_run(TINY_LLAMA_DIR, "--length", "8", "--output-dir", output, "--quiet")
+    assert code == 2
+    assert err == (
+        "pytest-precision run: another pytest-precision run (one starting just now: its claim file names no "
+        f"process yet) is writing {output}; wait for it or choose another --output-dir (if that run is gone, "
+        f"delete {claim})\n"
+    )
+    old = time.time() - CLAIM_STARTING_SECONDS - 5
+    os.utime(claim, (old, old))
+    taken = claim_exclusively(claim)
+    assert isinstance(taken, Claim) and json.loads(claim.read_text())["pid"] == os.getpid()
+    taken.release()
+
+
+def test_a_claims_host_or_start_that_would_break_the_line_is_not_shown(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    output.mkdir()
+    claim = output / CLAIM_FILE
+    claim.write_text(json.dumps({"pid": 1, "host": f"{HOST}\nforged line", "started": "x\ry"}))
+    code, err = cli_run(TINY_LLAMA_DIR, "--length", "8", "--output-dir", output, "--quiet")
+    assert code == 2
+    assert err.startswith("pytest-precision run: another pytest-precision run (pid 1) is writing ")
+    assert err.count("\n") == 1 and "\r" not in err
+
+
+def test_an_old_claim_of_an_overflowing_pid_is_taken_over_by_a_run(tmp_path: Path) -> None:
+    output = tmp_path / "out"
+    output.mkdir()
+    write_claim(output / CLAIM_FILE, 10**30, age_s=CLAIM_STARTING_SECONDS + 5)
+    code, err = cli_run(TINY_LLAMA_DIR, "--length", "8", "--variants", "bf16", "--output-dir", output, "--quiet")
+    assert code == 0, err
+    assert not (output / CLAIM_FILE).exists()
+
+
+def test_a_claim_replaced_by_a_fifo_is_left_alone_on_release(tmp_path: Path) -> None:
+    path = tmp_path / CLAIM_FILE
+    claim = claim_exclusively(path)
+    assert isinstance(claim, Claim)
+    path.unlink()
+    os.mkfifo(path)
+    claim.release()  # not this claim's file any more: no hang, no error, not removed
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+
+
+def test_a_temporary_file_naming_an_overflowing_pid_is_judged_by_its_age(tmp_path: Path) -> None:
+    leftover = tmp_path / f".report.json.{10**30}.abc{atomic_files.TEMPORARY_SUFFIX}"
+    leftover.write_text("partial")
+    old = time.time() - atomic_files.DEAD_WRITER_GRACE_SECONDS - 5
+    os.utime(leftover, (old, old))
+    assert atomic_files.remove_stale_temporaries(tmp_path) == [leftover]

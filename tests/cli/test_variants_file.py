@@ -307,25 +307,28 @@ BAD_FILES: dict[str, Bad] = {
         "v.json",
         [{"name": "x", "backend": {"cuda.matmul.no_such_flag": True}}],
         "variant 1 ('x')",
-        ("backend flag 'cuda.matmul.no_such_flag' is not an attribute of torch.backends",),
+        (
+            "backend flag 'cuda.matmul.no_such_flag' is not one of the torch.backends settings a variant may set: ",
+            "cuda.matmul.allow_tf32, ",
+        ),
     ),
     "backend-flag-wrong-type": Bad(
         "v.json",
         [{"name": "x", "backend": {"cuda.matmul.allow_tf32": "yes"}}],
         "variant 1 ('x')",
-        ("backend flag 'cuda.matmul.allow_tf32' takes a bool", "got 'yes'"),
+        ("backend flag 'cuda.matmul.allow_tf32' takes true or false, got 'yes'",),
     ),
     "backend-bool-flag-given-int": Bad(
         "v.json",
         [{"name": "x", "backend": {REDUCED_BF16: 1}}],
         "variant 1 ('x')",
-        (f"backend flag '{REDUCED_BF16}' takes a bool", "got 1"),
+        (f"backend flag '{REDUCED_BF16}' takes true or false, got 1",),
     ),
     "backend-str-flag-given-bool": Bad(
         "v.json",
         [{"name": "x", "backend": {"cuda.matmul.fp32_precision": True}}],
         "variant 1 ('x')",
-        ("backend flag 'cuda.matmul.fp32_precision' takes a str", "got True"),
+        ("backend flag 'cuda.matmul.fp32_precision' takes one of 'ieee', 'tf32', 'none', got True",),
     ),
     "attn-implementation-not-str": Bad(
         "v.json",
@@ -545,20 +548,15 @@ def test_an_fp32_precision_flag_on_old_torch_names_the_version(tmp_path: Path) -
     assert f"this is torch {torch.__version__}" in message
 
 
-@new_api_only
-def test_a_backend_value_torch_refuses_fails_before_any_run(tmp_path: Path) -> None:
-    """A string flag with an unknown setting passes the type check; setting it, as the run would, refuses it
-    now, naming the variant."""
-    import torch
-
-    from pytest_precision.cli.run import check_backends
-
+def test_a_backend_value_the_setting_does_not_take_is_refused_when_the_file_is_read(tmp_path: Path) -> None:
+    """A string flag takes only its documented settings: refused naming the file, before any run."""
     path = write(tmp_path, "v.json", [{"name": "odd", "backend": {"cuda.matmul.fp32_precision": "bogus"}}])
-    variants = load_variants_file(path)
-    before = torch.backends.cuda.matmul.fp32_precision
-    with pytest.raises(PrecisionError, match=r"variant 'odd': torch refuses its backend settings"):
-        check_backends(variants, torch.device("cpu"))
-    assert torch.backends.cuda.matmul.fp32_precision == before
+    with pytest.raises(ConfigurationError) as info:
+        load_variants_file(path)
+    assert str(info.value) == (
+        f"--variants-file {path}, variant 1 ('odd'): backend flag 'cuda.matmul.fp32_precision' takes one of "
+        "'ieee', 'tf32', 'none', got 'bogus'"
+    )
 
 
 # --- names Windows reserves for devices: one check for every name that becomes a file name -------------------
@@ -697,7 +695,10 @@ def test_lowbit_fields_load_from_toml_as_the_python_variants(tmp_path: Path) -> 
         ({"quantize": 3}, ("quantize must be a torchao config class name", "got 3")),
         ({"quantize": ""}, ("quantize must be a torchao config class name",)),
         ({"quantize": {"group_size": 32}}, ("quantize as a table needs 'config'",)),
-        ({"quantize": "Int3WeightOnlyConfig"}, ("torchao has no config 'Int3WeightOnlyConfig'", "its configs: ")),
+        (
+            {"quantize": "Int3WeightOnlyConfig"},
+            ("quantize: torchao has no config 'Int3WeightOnlyConfig' a variant may name; its configs: ",),
+        ),
         ({"quantize": {"config": "Int8WeightOnlyConfig", "bits": 3}}, ("Int8WeightOnlyConfig(bits=3) was refused",)),
         ({"quantize": "Int8WeightOnlyConfig", "weight_storage": "float8_e5m2"}, ("two formats; a variant takes one",)),
     ],

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from pytest_precision.base.errors import ConfigurationError
+from pytest_precision.engine import backend_flags
+from pytest_precision.engine.backend_flag_names import BACKEND_FLAGS, BOOL_FLAGS, PRECISION_FLAGS
 from pytest_precision.engine.backend_flags import (
     FP32_PRECISION_SINCE,
     PINNED_FLAGS,
@@ -156,11 +158,13 @@ def test_variant_backend_overrides_pinned_precision() -> None:
 
 
 @new_api_only
-def test_restored_when_a_flag_cannot_be_set() -> None:
+def test_restored_when_a_flag_cannot_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
     unusual_user_state()
     before = snapshot_backend_state()
     before_public = current()
     variant = Variant("bad", backend={"mkldnn.matmul.fp32_precision": "not-a-precision"})
+    # Let the value through the name/value check, so that torch's setter is the one that refuses it.
+    monkeypatch.setattr(backend_flags, "checked_flag_value", lambda path, value: value)
     with pytest.raises(RuntimeError), pinned_backend(variant, "cpu"):
         pytest.fail("the body must not run")
     assert snapshot_backend_state() == before
@@ -220,9 +224,10 @@ def test_fp32_precision_flag_is_refused_naming_the_version() -> None:
 
 
 @legacy_only
-def test_legacy_restored_when_a_flag_cannot_be_set() -> None:
+def test_legacy_restored_when_a_flag_cannot_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
     unusual_user_state()
     before = current()
+    monkeypatch.setattr(backend_flags, "checked_flag_value", lambda path, value: value)
     with pytest.raises(RuntimeError), pinned_backend(Variant("bad", backend={"cudnn.allow_tf32": "yes"}), "cpu"):
         pytest.fail("the body must not run")
     assert current() == before
@@ -275,8 +280,10 @@ def test_unknown_flag_path(path: str) -> None:
     before = snapshot_backend_state()
     with pytest.raises(ConfigurationError) as info, pinned_backend(Variant("v", backend={path: True}), "cpu"):
         pytest.fail("the body must not run")
-    assert repr(path) in str(info.value)
-    assert "is not an attribute of torch.backends" in str(info.value)
+    assert str(info.value).startswith(
+        f"backend flag {path!r} is not one of the torch.backends settings a variant may set: "
+    )
+    assert "cuda.matmul.allow_tf32" in str(info.value)
     assert snapshot_backend_state() == before
 
 
@@ -334,3 +341,120 @@ def test_torch_version_reads_major_and_minor(
 
     monkeypatch.setattr(torch, "__version__", text)
     assert torch_version() == version
+
+
+# --- only the listed torch.backends settings: no path reaches a module, a class attribute or a dunder ----------
+
+#: Paths that torch.backends attribute walks would reach: sys.path (code imported from a folder the file names),
+#: the interpreter's arguments, torch.hub's cache folder (through torch.backends.torch), class attributes, dunders,
+#: modules, and a real leaf reached through a dunder.
+OUTSIDE_PATHS = [
+    "sys.path",
+    "sys.argv",
+    "sys.dont_write_bytecode",
+    "torch.hub._hub_dir",
+    "__class__.__name__",
+    "cudnn.__class__.__name__",
+    "cuda.matmul.__class__.__name__",
+    "cudnn",
+    "cuda.matmul",
+    "__dict__.cudnn.benchmark",
+    "cudnn.torch.backends.cudnn.benchmark",
+    "cudnn.benchmark.real",
+    "mkldnn.verbose",
+    "cudnn.benchmark_limit",
+    "",
+]
+
+
+@pytest.mark.parametrize("path", OUTSIDE_PATHS)
+def test_a_path_outside_the_list_is_refused_before_anything_is_set(path: str) -> None:
+    """Variant(backend=...) names a real setting or nothing: here `sys.path` would let the next lazy import
+    come from a folder of the caller's choosing. Refused before any setting is touched."""
+    import sys
+
+    sys_path, argv, bytecode, hub = list(sys.path), list(sys.argv), sys.dont_write_bytecode, torch.hub.get_dir()
+    before = snapshot_backend_state()
+    variant = Variant("v", backend={path: ["/nowhere"], BF16_RR: True})
+    with pytest.raises(ConfigurationError) as info, pinned_backend(variant, "cpu"):
+        pytest.fail("the body must not run")
+    assert f"backend flag {path!r} is not one of the torch.backends settings a variant may set" in str(info.value)
+    assert (sys.path, sys.argv, sys.dont_write_bytecode, torch.hub.get_dir()) == (sys_path, argv, bytecode, hub)
+    assert type(torch.backends).__name__ == "GenericModule"
+    assert snapshot_backend_state() == before
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "takes"),
+    [
+        (BF16_RR, 1, "takes true or false"),
+        ("cudnn.benchmark", "yes", "takes true or false"),
+        ("cuda.matmul.allow_tf32", None, "takes true or false"),
+        ("cuda.matmul.fp32_precision", "bf16", "takes one of 'ieee', 'tf32', 'none'"),
+        ("mkldnn.matmul.fp32_precision", True, "takes one of 'ieee', 'tf32', 'bf16', 'none'"),
+        ("fp32_precision", "highest", "takes one of 'ieee', 'tf32', 'bf16', 'none'"),
+    ],
+)
+def test_a_value_the_setting_does_not_take_is_refused_before_anything_is_set(
+    path: str, value: object, takes: str
+) -> None:
+    before = current()
+    with pytest.raises(ConfigurationError) as info, pinned_backend(Variant("v", backend={path: value}), "cpu"):
+        pytest.fail("the body must not run")
+    assert str(info.value) == f"backend flag {path!r} {takes}, got {value!r}"
+    assert current() == before
+
+
+def _leaf(path: str) -> tuple[object, str]:
+    """(owner, attribute) walked independently of the module under test."""
+    *parents, attribute = path.split(".")
+    owner: object = torch.backends
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, attribute
+
+
+@pytest.mark.parametrize("path", sorted(BOOL_FLAGS))
+def test_every_listed_true_false_setting_is_a_bool_leaf_of_this_torch(path: str) -> None:
+    """Each listed flag exists in this torch (2.9+: all of them), holds a bool, and is set and restored by a run."""
+    owner, attribute = _leaf(path)
+    value = getattr(owner, attribute)
+    assert type(value) is bool, (path, value)
+    assert not path.startswith("_") and all(not part.startswith("_") for part in path.split("."))
+    with pinned_backend(Variant("v", backend={path: not value}), "cpu"):
+        assert getattr(owner, attribute) is (not value)
+    assert getattr(owner, attribute) is value
+
+
+@new_api_only
+@pytest.mark.parametrize("path", sorted(PRECISION_FLAGS))
+def test_every_listed_precision_takes_exactly_its_listed_values(path: str) -> None:
+    """torch itself accepts each listed value and refuses the others of {ieee, tf32, bf16, none}."""
+    owner, attribute = _leaf(path)
+    saved = precisions()
+    accepted = []
+    for value in ("ieee", "tf32", "bf16", "none"):
+        try:
+            setattr(owner, attribute, value)
+            accepted.append(value)
+        except RuntimeError:
+            pass
+    for name, precision_owner in PRECISION_OWNERS:
+        precision_owner().fp32_precision = saved[name]  # type: ignore[attr-defined]
+    assert tuple(accepted) == PRECISION_FLAGS[path]
+
+
+def test_the_list_is_the_two_kinds() -> None:
+    assert BOOL_FLAGS | set(PRECISION_FLAGS) == BACKEND_FLAGS and not BOOL_FLAGS & set(PRECISION_FLAGS)
+    assert set(PINNED_FLAGS) <= BACKEND_FLAGS
+    assert "cudnn.allow_tf32" in BACKEND_FLAGS  # the legacy TF32 switch a run pins on torch < 2.9
+
+
+def test_a_listed_setting_this_torch_lacks_names_the_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(type(torch.backends.cuda.matmul), "__getattr__")  # cuBLASModule answers every flag there
+    with pytest.raises(ConfigurationError) as info:
+        backend_flags.resolve_flag("cuda.matmul.allow_fp16_accumulation")
+    assert str(info.value) == (
+        f"backend flag 'cuda.matmul.allow_fp16_accumulation' is not in this torch ({torch.__version__}); leave it out "
+        "or use another torch"
+    )

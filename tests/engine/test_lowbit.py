@@ -449,7 +449,7 @@ def test_quantize_tables_and_their_values_round_trip() -> None:
     no_class = {"config": "Float8WeightOnlyConfig", "granularity": {"dim": 1}}
     with pytest.raises(ConfigurationError, match=r"here: a table among quantize's arguments needs 'config'"):
         QuantizeConfig.from_mapping(no_class, "here").build("here")
-    with pytest.raises(ConfigurationError, match=r"here: quantize argument 'torch.float9' is not a torch attribute"):
+    with pytest.raises(ConfigurationError, match=r"here: quantize: 'float9' is not a torch dtype"):
         _thawed("torch.float9", "here")
     for nested in ([1, "torch.float9"], [{"config": "NoSuchGranularity"}]):  # `where` reaches nested values
         with pytest.raises(ConfigurationError, match=r"^here: "):

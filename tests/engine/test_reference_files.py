@@ -205,6 +205,13 @@ METADATA_EDITS: dict[str, Any] = {
     "a-tensor-without-digest": lambda m: m["tensor_sha256"].pop(_first_stored(m)),
     "a-digest-without-tensor": lambda m: m["tensor_sha256"].update({"fw/nowhere": "0" * 64}),
     "metadata-digest-a-number": lambda m: m.update(metadata_sha256=0),
+    "no-model": lambda m: m.pop("model"),
+    "model-a-list": lambda m: m.update(model=[]),
+    "model-without-config": lambda m: m["model"].pop("config"),
+    "model-config-a-list": lambda m: m["model"].update(config=[1]),
+    "model-modules-not-pairs": lambda m: m["model"].update(modules=[["", "A", "B"]]),
+    "model-settings-a-list": lambda m: m["model"].update(settings=[]),
+    "model-tensor-shape-of-floats": lambda m: m["model"].update(tensors=[["w", [1.5], "float32"]]),
 }
 
 
@@ -226,9 +233,9 @@ def test_a_tensor_the_metadata_lists_missing_from_the_file_is_refused_by_name(sa
 
 
 def test_another_format_is_refused_with_the_fix(saved: Path, tmp_path: Path) -> None:
-    path = rewritten(saved, tmp_path, lambda m: m.update(format=3))
+    path = rewritten(saved, tmp_path, lambda m: m.update(format=4))
     assert load_error(path) == (
-        f"Reference.load('{path}'): unknown format 3 (this pytest-precision reads format 2); "
+        f"Reference.load('{path}'): unknown format 4 (this pytest-precision reads format 3); "
         "re-create it with Reference.save"
     )
 
@@ -242,6 +249,19 @@ def test_a_format_1_file_which_records_no_digests_is_refused_with_the_fix(saved:
     assert load_error(path) == (
         f"Reference.load('{path}'): format 1, written by pytest-precision 0.1, records no digest of its tensors, "
         "so a change to them cannot be seen; re-create it with Reference.save"
+    )
+
+
+def test_a_format_2_file_which_records_no_model_is_refused_with_the_fix(saved: Path, tmp_path: Path) -> None:
+    def as_written_by_format_2(meta: dict[str, Any]) -> None:
+        meta.update(format=2)
+        del meta["model"]
+
+    path = rewritten(saved, tmp_path, as_written_by_format_2)
+    assert load_error(path) == (
+        f"Reference.load('{path}'): format 2 records the model's weights but not the model (its modules, settings "
+        "and config), so another model holding the same weights cannot be told apart; re-create it with "
+        "Reference.save"
     )
 
 

@@ -466,7 +466,8 @@ class WithOldRouter(nn.Module):
 @pytest.mark.parametrize(
     "read, message",
     [
-        (lambda m, o: (o[0].float(), o[1]), "expected integer indices and float weights of one shape"),
+        (lambda m, o: (o[0].float(), o[1]), "its indices must be integers, got torch.float32"),
+        (lambda m, o: (o[0], o[1].long()), "expected integer indices and float weights of one shape"),
         (lambda m, o: (o[0], o[1][..., :1]), "expected integer indices and float weights of one shape"),
         (lambda m, o: (o[0].tolist(), o[1]), "its indices and weights must be tensors"),
         (lambda m, o: (o[0], o[1].tolist()), "its indices and weights must be tensors"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,105 @@ def test_of_several_problems_the_first_in_document_order_is_named(written: Path)
         with pytest.raises(BaselineError) as raised:
             load_baseline(written, REFRESH)
         assert f": {message}" in str(raised.value)
+
+
+# --- what Python's json reader lets through: a key twice (the last wins) and numbers beyond a float (inf) -------
+
+
+def test_a_metric_written_twice_in_a_record_is_refused_not_the_last_taken(written: Path) -> None:
+    """Keeping both sides of a merge conflict gives a record with two rms_rel values; neither may silently win."""
+    text = written.read_text()
+    assert text.count('"rms_rel": 0.0123457') == 4
+    written.write_text(text.replace('"rms_rel": 0.0123457', '"rms_rel": 0.5, "rms_rel": 0.0123457', 1))
+    with pytest.raises(BaselineError) as raised:
+        load_baseline(written, REFRESH, shown=Path("baselines/t.cpu.json"))
+    assert str(raised.value) == (
+        "precision baseline baselines/t.cpu.json: variant 'bf16', tensor 'inf' (fw): field 'rms_rel' appears twice "
+        f"in one object (both sides of a merge conflict?). Re-create it with: {REFRESH}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("where", "replaced", "named"),
+    [
+        ('"test": "t.py::t"', '"test": "t.py::t", "test": "u.py::u"', "field 'test' appears twice"),
+        ('"torch": "2.13"', '"torch": "2.13", "torch": "2.14"', "field 'environment.torch' appears twice"),
+        (
+            '"loss_scale": 2097152.0',
+            '"loss_scale": 1.0, "loss_scale": 2097152.0',
+            "variant 'fp16': field 'run.loss_scale'",
+        ),
+        ('"bf16": {', '"bf16": {"records": [], ', "variant 'bf16': field 'records' appears twice"),
+    ],
+)
+def test_a_key_twice_anywhere_is_refused_naming_where(written: Path, where: str, replaced: str, named: str) -> None:
+    text = written.read_text()
+    assert where in text
+    written.write_text(text.replace(where, replaced, 1))
+    with pytest.raises(BaselineError, match=re.escape(named)):
+        load_baseline(written, REFRESH)
+
+
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1.5E+309", "1" + "0" * 400, "-" + "9" * 5000])
+def test_a_metric_beyond_the_largest_float_is_refused_not_read_as_infinity(written: Path, number: str) -> None:
+    """1e400 reads as inf in Python, which would pass as an infinite metric although the Infinity literal is
+    refused; an integer of 5000 digits would be a ValueError past Python's int conversion limit."""
+    assert float(number.replace("9" * 5000, "9" * 400)) in (math.inf, -math.inf)  # what json alone would give
+    text = written.read_text()
+    written.write_text(text.replace('"max_rel": 0.03', f'"max_rel": {number}', 1))
+    with pytest.raises(BaselineError) as raised:
+        load_baseline(written, REFRESH)
+    message = str(raised.value)
+    assert "variant 'bf16', tensor 'inf' (fw): field 'max_rel' is " in message, message
+    assert "beyond the largest float (it would read as infinity)" in message
+
+
+def test_the_largest_finite_float_and_tiny_numbers_still_read(written: Path) -> None:
+    text = written.read_text().replace('"max_rel": 0.03', '"max_rel": 1.7976931348623157e308', 1)
+    written.write_text(text.replace('"max_abs": 0.03', '"max_abs": 1e-400', 1))
+    bf16 = load_baseline(written, REFRESH).records()["bf16"][0]
+    assert bf16.max_rel == 1.7976931348623157e308 and bf16.max_abs == 0.0
+
+
+def test_a_refresh_rewrites_a_file_holding_a_key_twice(tmp_path: Path) -> None:
+    """Its last values equal the new numbers, but the file is not what --update-baselines would write."""
+    new = document(sample_report(), "t.py::t", MACHINE)
+    written = write(tmp_path / "t.cpu.json", new)
+    assert numbers_unchanged(written, new)
+    text = written.read_text()
+    written.write_text(text.replace('"rms_rel": 0.0123457', '"rms_rel": 0.5, "rms_rel": 0.0123457', 1))
+    assert not numbers_unchanged(written, new)
+
+
+# --- a low-bit run's block: what the gate compares (gate.lowbit_check) ---------------------------------------------
+
+LOWBIT = {"format": "fp8 training, rowwise recipe", "kernels": "emulated", "modules": 2, "torchao": "0.18.0"}
+
+
+def lowbit_baseline(tmp_path: Path, lowbit: dict[str, Any]) -> Path:
+    report = sample_report()
+    report.add("fp8", dataclasses.replace(run_info("fp8"), lowbit=lowbit), [tensor("inf")], [])
+    return write(tmp_path / "t.cpu.json", document(report, "t.py::t", {}))
+
+
+@pytest.mark.parametrize("names", [["b.up", "a.down"], None])  # None: a file from before names were recorded
+def test_a_lowbit_block_with_or_without_module_names_reads(tmp_path: Path, names: list[str] | None) -> None:
+    lowbit = LOWBIT if names is None else {**LOWBIT, "module_names": names}
+    path = lowbit_baseline(tmp_path, lowbit)
+    assert load_baseline(path, REFRESH).data["variants"]["fp8"]["run"]["lowbit"] == lowbit
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"module_names": "a.down"}, "variant 'fp8': field 'run.lowbit' is {"),
+        ({"module_names": ["a.down", "a.down"]}, "variant 'fp8': field 'run.lowbit' is {"),
+        ({"modules": -1}, "variant 'fp8': field 'run.lowbit' is {"),
+        ({"format": None}, "not null, or an object with the format (a string)"),
+        ({"module_names": ["a.down"]}, "variant 'fp8': field 'run.lowbit.modules' is 2, but 'module_names' lists 1"),
+    ],
+)
+def test_a_damaged_lowbit_block_is_refused(tmp_path: Path, change: dict[str, Any], message: str) -> None:
+    path = lowbit_baseline(tmp_path, {**LOWBIT, "module_names": ["a.down", "b.up"], **change})
+    with pytest.raises(BaselineError, match=re.escape(message)):
+        load_baseline(path, REFRESH)

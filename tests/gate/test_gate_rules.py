@@ -106,19 +106,26 @@ def test_the_smallest_step_worse_fails_at_zero_tolerance(metric, worse):
     assert is_worse(metric, base, worse, ZERO)
 
 
-# --- atol direction for higher-is-better metrics ---------------------------------------------------------------
+# --- atol on a higher-is-better metric: an absolute allowance on its distance from perfect --------------------
+
+
+def _error64(metric: str, value: float) -> np.float64:
+    """The distance from perfect in float64 numpy: 1 - value, or the SQNR's amplitude 10^(-dB / 20)."""
+    if metric == "sqnr_db":
+        return np.power(np.float64(10.0), -np.float64(value) / 20.0)
+    return np.float64(1.0) - np.float64(value)
 
 
 @pytest.mark.parametrize(
-    ("metric", "expected", "rtol", "atol"), [("sqnr_db", 40.0, 0.0, 1.0), ("cosine", 0.99, 0.01, 0.005)]
+    ("metric", "expected", "rtol", "atol"), [("sqnr_db", 40.0, 0.0, 0.01), ("cosine", 0.99, 0.01, 0.005)]
 )
-def test_atol_lowers_the_floor_of_a_higher_is_better_metric(metric, expected, rtol, atol):
-    floor = np.float64(expected) * (1 - np.float64(rtol)) - np.float64(atol)
+def test_atol_is_an_absolute_allowance_on_the_distance_from_perfect(metric, expected, rtol, atol):
+    limit = _error64(metric, expected) * (1 + np.float64(rtol)) + np.float64(atol)
+    floor = -20.0 * np.log10(limit) if metric == "sqnr_db" else 1.0 - limit  # the smallest passing value
     tolerance = Tolerance(rtol=rtol, atol=atol)
-    assert allowed_value(metric, expected, tolerance) == pytest.approx(float(floor), rel=1e-15)
-    between = float((floor + expected * (1 - rtol)) / 2)  # below expected * (1 - rtol), above the floor
-    assert not is_worse(metric, expected, between, tolerance)
-    assert is_worse(metric, expected, float(floor) - 1e-9, tolerance)
+    assert allowed_value(metric, expected, tolerance) == pytest.approx(float(floor), rel=1e-12)
+    assert not is_worse(metric, expected, float(floor) + 1e-6, tolerance)
+    assert is_worse(metric, expected, float(floor) - 1e-6, tolerance)
 
 
 # --- run-to-run spread: the larger of baseline's and run's -----------------------------------------------------
@@ -317,10 +324,13 @@ def test_an_infinite_limit_is_no_bound():
 
 
 def test_exact_sqnr_baseline_with_rtol_one_still_gates():
-    # inf * (1 - 1) is NaN in IEEE arithmetic; the floor is 0 - atol, and an error now fails.
+    # An exact baseline (+inf dB) has no error to scale: any error now fails, up to atol of amplitude.
     tolerance = Tolerance(rtol=1.0, atol=0.0)
-    assert allowed_value("sqnr_db", math.inf, tolerance) == 0.0
-    assert is_worse("sqnr_db", math.inf, -3.0, tolerance) and not is_worse("sqnr_db", math.inf, 20.0, tolerance)
+    assert allowed_value("sqnr_db", math.inf, tolerance) == math.inf
+    assert is_worse("sqnr_db", math.inf, 200.0, tolerance) and not is_worse("sqnr_db", math.inf, math.inf, tolerance)
+    loose = Tolerance(rtol=1.0, atol=1e-3)  # amplitude 1e-3 is 60 dB
+    assert allowed_value("sqnr_db", math.inf, loose) == pytest.approx(60.0)
+    assert is_worse("sqnr_db", math.inf, 59.9, loose) and not is_worse("sqnr_db", math.inf, 60.1, loose)
 
 
 def test_metrics_given_as_one_string_is_one_metric_and_none_is_an_error():
@@ -336,7 +346,9 @@ def test_infinite_rtol_holds_for_a_negative_higher_is_better_baseline():
     unbounded = ToleranceRules(base=Tolerance(rtol=math.inf, atol=0.0))
     result = gate(record(sqnr_db=-5.0), record(sqnr_db=-50.0), unbounded, ("sqnr_db",))
     assert result.violations == []
-    assert is_worse("sqnr_db", -5.0, -50.0, Tolerance(rtol=1e9, atol=0.0))  # a finite rtol still bounds it
+    # A finite rtol bounds the amplitude at (1 + rtol)x: -5 dB with rtol 10 allows 11x, to -25.8 dB.
+    assert is_worse("sqnr_db", -5.0, -50.0, Tolerance(rtol=10.0, atol=0.0))
+    assert not is_worse("sqnr_db", -5.0, -25.0, Tolerance(rtol=10.0, atol=0.0))
 
 
 def test_messages_say_which_side_is_undefined_and_why():
@@ -380,11 +392,12 @@ def test_a_value_exactly_at_its_limit_passes(metric, value):
 @pytest.mark.parametrize(
     ("metric", "expected", "obtained", "improved"),
     [
-        # higher is better: an improvement must clear expected * (1 + rtol) + atol = 0.9 * 1.1 + 1e-5
-        ("correlation", 0.9, 0.95, False),
-        ("correlation", 0.9, 0.9901, True),
-        ("sqnr_db", 30.0, 32.0, False),
-        ("sqnr_db", 30.0, 33.1, True),
+        # higher is better: the error must fall below error * (1 - rtol) - atol, for correlation 0.1 * 0.9 - 1e-5
+        # (above 0.91001), for 30 dB an amplitude of 10^-1.5 * 0.9 - 1e-5 (above 30.918 dB)
+        ("correlation", 0.9, 0.91, False),
+        ("correlation", 0.9, 0.9101, True),
+        ("sqnr_db", 30.0, 30.9, False),
+        ("sqnr_db", 30.0, 30.93, True),
         # lower is better: below expected * (1 - rtol) - atol = 0.01 * 0.9 - 1e-5
         ("rms_rel", 0.01, 0.0095, False),
         ("rms_rel", 0.01, 0.0089, True),

@@ -35,8 +35,9 @@ def test_lower_is_better_bounds():
 
 
 def test_higher_is_better_and_slope_are_mirrored():
-    assert is_worse("sqnr_db", 40.0, 35.9, TOL) and not is_worse("sqnr_db", 40.0, 36.1, TOL)
-    assert is_better("sqnr_db", 40.0, 44.1, TOL)
+    # sqnr_db compares its amplitude 10^(-dB / 20): 40 dB is 0.01, and 1.1x that is 39.17 dB.
+    assert is_worse("sqnr_db", 40.0, 39.1, TOL) and not is_worse("sqnr_db", 40.0, 39.2, TOL)
+    assert is_better("sqnr_db", 40.0, 41.0, TOL) and not is_better("sqnr_db", 40.0, 40.8, TOL)
     # slope compares |1 - slope|: 0.99 -> 0.985 is 1.5x further from 1.
     assert is_worse("slope", 0.99, 0.985, TOL) and not is_worse("slope", 0.99, 1.0105, TOL)
 
@@ -82,7 +83,10 @@ def test_nonfinite_always_fails_and_the_message_names_where_it_started():
 
 def test_violation_ratio_in_the_worse_direction():
     assert Violation("v", "t", "fw", "regressed", "rms_rel", 0.01, 0.02).ratio == pytest.approx(2.0)
-    assert Violation("v", "t", "fw", "regressed", "sqnr_db", 40.0, 20.0).ratio == pytest.approx(2.0)
+    # Higher-is-better metrics: the ratio of distances from perfect (amplitudes for sqnr_db).
+    assert Violation("v", "t", "fw", "regressed", "sqnr_db", 40.0, 20.0).ratio == pytest.approx(10.0)
+    assert Violation("v", "t", "fw", "regressed", "cosine", 0.999, 0.99).ratio == pytest.approx(10.0)
+    assert Violation("v", "t", "fw", "improved", "top1_agreement", 0.9, 0.95).ratio == pytest.approx(0.5)
 
 
 def test_one_number_and_each_metric_once_parse():

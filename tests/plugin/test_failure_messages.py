@@ -6,11 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from pytest_precision.base.records import Record, TensorError
+from pytest_precision.gate.checks import check_against_baseline
 from pytest_precision.gate.tolerance import Violation
+from pytest_precision.gate.tolerance_rules import ToleranceRules
 from pytest_precision.plugin.messages import (
     FULL_LIST_HINT,
     MAX_ROWS,
     MIN_ROWS_PER_VARIANT,
+    format_value,
     full_list_hint,
     improvement_message,
     limit_message,
@@ -113,3 +117,80 @@ def test_names_are_left_aligned_and_numbers_right_aligned_under_their_headers() 
     for column in ("variant", "tensor", "kind", "metric"):
         start = header.index(column)
         assert all(line[start] != " " and line[start - 1] == " " for line in lines[1:])
+
+
+# --- the headline's counts: a part of a whole, with what is in only one side counted apart (issue 34 item 12) --
+
+
+def _row(name: str, rms_rel: float = 0.01) -> Record:
+    error = TensorError(
+        count=4, ref_rms=1.0, rms_abs=rms_rel, rms_rel=rms_rel, max_abs=None, max_rel=None, bias_abs=None,
+        bias_rel=None, correlation=None, slope=None, residual_rms_rel=None, cosine=None, sqnr_db=None, nonfinite=0,
+    )  # fmt: skip
+    return Record.from_error(name, "fw", (4,), error)
+
+
+def headline(baseline: dict[str, list[Record]], run: dict[str, list[Record]]) -> str:
+    """The first line of the regression message the gate gives `run` against `baseline`."""
+    check = check_against_baseline(baseline, run, ToleranceRules())
+    return regression_message(check.violations, check.gated, Path("b.json"), "t.py::t", {}).splitlines()[0]
+
+
+def test_the_headline_counts_failing_tensors_among_those_compared_and_the_rest_apart() -> None:
+    baseline = {"bf16": [_row(f"layers.{i}") for i in range(4)], "fp16": [_row("layers.0")]}
+    # layers.1 regressed, layers.2 and .3 are gone, layers.9 is new, and the whole fp16 variant is gone.
+    run = {"bf16": [_row("layers.0"), _row("layers.1", 0.5), _row("layers.9")]}
+    assert headline(baseline, run) == (
+        "precision regressed: 1 / 2 tensors (50.0%) in 2 variant(s), and 2 tensor(s) and 1 variant(s) missing from "
+        "this run, 1 tensor(s) new (not in the baseline); first: bf16 layers.1 (fw)"
+    )
+
+
+def test_renamed_tensors_count_as_missing_and_new_not_as_a_fraction_above_one() -> None:
+    # Every tensor renamed: none compared ("18 / 0 tensors" before), never more failing than compared.
+    baseline = {"bf16": [_row(f"old.{i}") for i in range(3)]}
+    run = {"bf16": [_row(f"new.{i}") for i in range(3)]}
+    assert headline(baseline, run).startswith(
+        "precision regressed: no tensor in both the baseline and this run in 1 variant(s), and 3 tensor(s) missing "
+        "from this run, 3 tensor(s) new (not in the baseline); first: "
+    )
+    # Some renamed, some compared: 4 of 4 compared failed would read 100%, not (4 + 4 + 4) / 4 = 300%.
+    baseline = {"bf16": [_row(f"layers.{i}") for i in range(4)] + [_row(f"old.{i}") for i in range(4)]}
+    run = {"bf16": [_row(f"layers.{i}", 0.5) for i in range(4)] + [_row(f"new.{i}") for i in range(4)]}
+    assert headline(baseline, run).startswith(
+        "precision regressed: 4 / 4 tensors (100.0%) in 1 variant(s), and 4 tensor(s) missing from this run, "
+        "4 tensor(s) new (not in the baseline); first: "
+    )
+
+
+@pytest.mark.parametrize(
+    ("metric", "value", "shown"),
+    [
+        ("cosine", 0.99999, "0.99999"),
+        ("cosine", 0.9999789, "0.9999789"),  # 1 - cosine: 2.11e-05
+        ("correlation", 0.999, "0.999"),
+        ("cosine", 0.9, "0.9"),
+        ("cosine", 1.0, "1"),
+        ("cosine", 1.0 - 1e-17, "1"),
+        ("sqnr_db", 39.17, "39.17"),
+        ("rms_rel", 0.0123456, "0.01235"),
+    ],
+)
+def test_values_near_one_keep_three_digits_of_their_distance_from_one(metric: str, value: float, shown: str) -> None:
+    assert format_value(metric, value) == shown
+
+
+def test_a_cosine_row_shows_baseline_obtained_and_allowed_apart_and_the_ratio_of_errors() -> None:
+    before = Record.from_error("layers.0", "fw", (4,), _cosine(0.99999))
+    after = Record.from_error("layers.0", "fw", (4,), _cosine(0.9999))
+    check = check_against_baseline({"bf16": [before]}, {"bf16": [after]}, ToleranceRules(), ["cosine"])
+    (row,) = body(violation_table(check.violations))
+    # allowed 1 - (1e-5 * 1.1 + 1e-5) = 0.999979; the error grew 10x.
+    assert row[3:] == ["cosine", "0.99999", "0.9999", "10.00x", "0.999979"]
+
+
+def _cosine(value: float) -> TensorError:
+    return TensorError(
+        count=4, ref_rms=1.0, rms_abs=0.01, rms_rel=0.01, max_abs=None, max_rel=None, bias_abs=None,
+        bias_rel=None, correlation=None, slope=None, residual_rms_rel=None, cosine=value, sqnr_db=None, nonfinite=0,
+    )  # fmt: skip
