@@ -56,6 +56,8 @@ def generate() -> None:
     _mutmut("run", NOTHING)  # exits non-zero on purpose after generating ("nothing matches")
     if not _meta_files():
         sys.exit("mutmut generated no mutants: check [tool.mutmut] in pyproject.toml")
+    if not (MUTANTS / "mutmut-stats.json").is_file():
+        sys.exit("mutmut could not collect its test statistics (a selected test failed in mutants/: see above)")
 
 
 def draw(size: int, seed: int) -> list[str]:

@@ -138,7 +138,8 @@ def print_test(
 ) -> tuple[int, bool]:
     """Print one test's section: (failures, whether any compared metric or check changed). With
     `short_if_unchanged`, a test whose compared numbers are all equal is one line."""
-    from pytest_precision.reports.tables import format_number, render
+    from pytest_precision.gate.tolerance import format_value
+    from pytest_precision.reports.tables import render
 
     rows = diff_rows(old, new, options.metrics)
     got_worse = {row for row in rows if _worse(row, options.tolerances)}
@@ -164,8 +165,8 @@ def print_test(
     table = [
         [
             *row[:4],
-            format_number(row[4]),
-            format_number(row[5]),
+            format_value(row[3], row[4]),
+            format_value(row[3], row[5]),
             "-" if row[6] is None else f"{row[6]:.3g}x",
             "WORSE" if row in got_worse else "UNDEFINED" if _undefined(row[5]) and not _undefined(row[4]) else "",
         ]

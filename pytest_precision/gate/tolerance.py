@@ -49,6 +49,7 @@ from typing import Literal
 
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.base.records import DESCRIPTIVE_METRICS, METRIC_DIRECTIONS, SIGNED_METRICS
+from pytest_precision.reports.tables import format_number
 
 DEFAULT_RTOL = 0.10
 DEFAULT_ATOL = 1e-5
@@ -317,3 +318,20 @@ def level_text(level: Level) -> str:
     """The option text `parsed_level` reads back as `level`."""
     parts = [] if level[0] is None else [repr(level[0])]
     return " ".join(parts + [f"{metric}={value!r}" for metric, value in level[1].items()])
+
+
+#: The most significant digits a value near 1 is shown with: beyond float64's ~16, digits are rounding noise.
+_MAX_DIGITS = 15
+
+
+def format_value(metric: str, value: float | None) -> str:
+    """format_number, except a higher-is-better fraction near 1 (cosine, correlation, agreement), shown with
+    enough digits that its distance from 1, the error the gate compares, keeps 3 significant digits: at 4
+    digits a baseline of 0.99999 and an allowed 0.99998 both read "1"."""
+    if value is None or METRIC_DIRECTIONS.get(metric) != "higher" or metric in DECIBEL_METRICS:
+        return format_number(value)
+    error = 1.0 - value
+    if not 0 < error < 1e-2:
+        return format_number(value)
+    digits = min(3 - math.floor(math.log10(error)), _MAX_DIGITS)
+    return f"{value:.{digits}g}"

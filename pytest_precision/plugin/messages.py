@@ -7,10 +7,10 @@ import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pytest_precision.base.records import KINDS, METRIC_DIRECTIONS, Record
+from pytest_precision.base.records import KINDS, Record
 from pytest_precision.gate.drift import DriftAllowance
-from pytest_precision.gate.tolerance import DECIBEL_METRICS, Violation
-from pytest_precision.reports.tables import format_number, render
+from pytest_precision.gate.tolerance import Violation, format_value
+from pytest_precision.reports.tables import render
 
 #: Rows shown before "... N more", shared between the failing variants.
 MAX_ROWS = 20
@@ -76,23 +76,6 @@ def _ratio(violation: Violation) -> str:
     if ratio is None:
         return "-"
     return "inf" if math.isinf(ratio) else f"{ratio:.2f}x"
-
-
-#: The most significant digits a value near 1 is shown with: beyond float64's ~16, digits are rounding noise.
-_MAX_DIGITS = 15
-
-
-def format_value(metric: str, value: float | None) -> str:
-    """format_number, except a higher-is-better fraction near 1 (cosine, correlation, agreement), shown with
-    enough digits that its distance from 1, the error the gate compares, keeps 3 significant digits: at 4
-    digits a baseline of 0.99999 and an allowed 0.99998 both read "1"."""
-    if value is None or METRIC_DIRECTIONS.get(metric) != "higher" or metric in DECIBEL_METRICS:
-        return format_number(value)
-    error = 1.0 - value
-    if not 0 < error < 1e-2:
-        return format_number(value)
-    digits = min(3 - math.floor(math.log10(error)), _MAX_DIGITS)
-    return f"{value:.{digits}g}"
 
 
 def _row(v: Violation) -> list[str]:

@@ -58,19 +58,33 @@ def test_diff_ratios_compare_errors_as_the_gate_does() -> None:
     of rows follow the gate's distance from perfect."""
     from pytest_precision.gate.baseline_diff import diff_rows
 
-    def report(cosine: float, rms_rel: float) -> PrecisionReport:
-        run = RunInfo(
-            variant={"name": "bf16", "dtype": "bfloat16"},
-            parameter_dtypes={"bfloat16": 2},
-            buffer_dtypes={},
-            input_shapes={"x": [2, 3]},
-            token_count=None,
-            backend={"settings": {}},
-        )
-        error = TensorError(6, 1.0, rms_rel, rms_rel, 0.03, 0.03, 0.0, 0.0, cosine, 1.0, 0.01, cosine, 40.0, 0)
-        made = PrecisionReport(reference=dataclasses.replace(run, variant={"name": "fp32"}), device="cpu")
-        made.add("bf16", run, [Record.from_error("x", "fw", (2, 3), error)], [])
-        return made
-
-    rows = diff_rows(report(0.9999, 0.01), report(0.999, 0.02), ["rms_rel", "cosine"])
+    rows = diff_rows(_cosine_report(0.9999, 0.01), _cosine_report(0.999, 0.02), ["rms_rel", "cosine"])
     assert [(row[3], row[6]) for row in rows] == [("cosine", pytest.approx(10.0)), ("rms_rel", pytest.approx(2.0))]
+
+
+def test_diff_shows_cosines_with_the_digits_their_errors_need(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """0.99999 and 0.99990 are not both "1": the old and new columns keep 3 significant digits of 1 - cosine."""
+    old, new = tmp_path / "old.cpu.json", tmp_path / "new.cpu.json"
+    old.write_text(render(document(_cosine_report(0.99999, 0.01), TEST, {})), encoding="utf-8")
+    new.write_text(render(document(_cosine_report(0.9999, 0.01), TEST, {})), encoding="utf-8")
+    assert main(["diff", str(old), str(new), "--metric", "cosine", "--rtol", "0.1", "--atol", "0"]) == 1
+    row = next(line.split() for line in capsys.readouterr().out.splitlines() if " cosine " in line)
+    assert row[4:7] == ["0.99999", "0.9999", "10x"], row
+
+
+def _cosine_report(cosine: float, rms_rel: float) -> PrecisionReport:
+    """A one-tensor bf16 report with these cosine (and correlation) and rms_rel values."""
+    run = RunInfo(
+        variant={"name": "bf16", "dtype": "bfloat16"},
+        parameter_dtypes={"bfloat16": 2},
+        buffer_dtypes={},
+        input_shapes={"x": [2, 3]},
+        token_count=None,
+        backend={"settings": {}},
+    )
+    error = TensorError(6, 1.0, rms_rel, rms_rel, 0.03, 0.03, 0.0, 0.0, cosine, 1.0, 0.01, cosine, 40.0, 0)
+    made = PrecisionReport(reference=dataclasses.replace(run, variant={"name": "fp32"}), device="cpu")
+    made.add("bf16", run, [Record.from_error("x", "fw", (2, 3), error)], [])
+    return made
