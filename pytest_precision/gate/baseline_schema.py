@@ -133,8 +133,9 @@ def _message(error: Any, data: dict[str, Any], literal: type[str], literal_hint:
         return f"{shown} holds the literal {value}, {literal_hint}"
     # A metric that is no number at all is named as such before what its range should be (a fraction, ...).
     not_a_number = isinstance(value, (list, dict)) or (isinstance(value, str) and value not in ("inf", "-inf"))
-    text_of = "rms_rel" if field not in _RECORD_FIELD_ORDER and not_a_number else field
-    return f"{shown} is {value!r}, not {_field_text('record', text_of, version)}"
+    if field not in _RECORD_FIELD_ORDER and not_a_number:
+        return f"{shown} is {value!r}, not {schema(version)['$defs']['metric']['description']}"
+    return f"{shown} is {value!r}, not {_field_text('record', field, version)}"
 
 
 def _shown(value: Any) -> str:

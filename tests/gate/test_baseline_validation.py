@@ -242,6 +242,17 @@ DAMAGE = [
     (set_record("underflow_frac", 1.5), f"{HEAD}: field 'underflow_frac' is 1.5, not a fraction in [0, 1] (or null)"),
     (set_record("zero_frac", "inf"), f"{HEAD}: field 'zero_frac' is 'inf', not a fraction in [0, 1] (or null)"),
     (set_record("ref_absmax", -1.0), f"{HEAD}: field 'ref_absmax' is -1.0, not a non-negative number (or null)"),
+    # Values no measurement gives, which would make the gate on the error (1 - cosine, ...) accept anything.
+    (set_record("cosine", -5.0), f"{HEAD}: field 'cosine' is -5.0, not a number in [-1, 1] (or null)"),
+    (set_record("correlation", 1.5), f"{HEAD}: field 'correlation' is 1.5, not a number in [-1, 1] (or null)"),
+    (set_record("cosine", "-inf"), f"{HEAD}: field 'cosine' is '-inf', not a number in [-1, 1] (or null)"),
+    (
+        set_record("expert_agreement", 1.2),
+        f"{HEAD}: field 'expert_agreement' is 1.2, not a fraction in [0, 1] (or null)",
+    ),
+    (set_record("top1_agreement", -0.1), f"{HEAD}: field 'top1_agreement' is -0.1, not a fraction in [0, 1] (or null)"),
+    (set_record("rms_rel", -0.01), f"{HEAD}: field 'rms_rel' is -0.01, not a non-negative number, \"inf\" (or null)"),
+    (set_record("max_abs", "-inf"), f"{HEAD}: field 'max_abs' is '-inf', not a non-negative number, \"inf\" (or null)"),
 ]
 
 
