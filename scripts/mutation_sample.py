@@ -7,8 +7,9 @@ mutmut 3 mutates every module of `[tool.mutmut] only_mutate` in pyproject.toml, 
 large set takes hours on 2 cores. This script lets mutmut generate them all and collect which tests reach each
 function (`mutmut run` with a filter that matches nothing does both and stops), draws a seeded random sample of
 the mutant names, runs only those (`mutmut run NAME ...`), and prints the sample's verdicts per module with the
-survivors' names (`mutmut show NAME` prints one's diff). The sample is saved in mutants/sample.json, so
-`--report` and a re-run of the survivors after adding tests (`mutmut run NAME ...`) see the same mutants.
+survivors' names (`mutmut show NAME` prints one's diff). The sample and its verdicts are saved in
+mutants/sample.json, so `--report` after a re-run of the survivors (`mutmut run NAME ...`, once tests are added)
+scores the same mutants, each by its newest verdict.
 """
 
 from __future__ import annotations
@@ -72,9 +73,13 @@ def report() -> int:
     mutants = all_mutants()
     by_module: dict[str, Counter[str]] = defaultdict(Counter)
     survivors: list[str] = []
+    # mutmut forgets every verdict when its configuration changes (a test file added to the selection): the
+    # verdicts of earlier runs are kept in the sample file, and a mutant's newest verdict wins.
+    kept: dict[str, str] = saved.setdefault("verdicts", {})
     for name in saved["sample"]:
         module, code = mutants.get(name, ("(gone)", None))
-        verdict = "not run" if code is None else VERDICTS.get(code, "suspicious")
+        verdict = kept.get(name, "not run") if code is None else VERDICTS.get(code, "suspicious")
+        kept[name] = verdict
         by_module[module][verdict] += 1
         if verdict in ("survived", "no tests", "suspicious", "not run"):
             survivors.append(f"{verdict:9} {name}")
@@ -87,6 +92,7 @@ def report() -> int:
     killed = total["killed"] + total["timeout"]
     print(f"total: {dict(total)}; killed {killed} / {scored} ({100 * killed / max(scored, 1):.1f}%)")
     print("\n".join(survivors))
+    SAMPLE_FILE.write_text(json.dumps(saved, indent=1))
     return 0
 
 

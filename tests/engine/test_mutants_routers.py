@@ -16,7 +16,8 @@ from pytest_precision.engine.routers import Router, Routers, choice_margins, fin
 from pytest_precision.numbers.routing import routing_from_sums, routing_sums, set_disagreement
 
 EXPERTS, K = 6, 2
-ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a second device)")
+#: Skipped without --precision-gpu, as every test that needs CUDA.
+ON_CUDA = pytest.mark.precision_gpu
 #: (reference's device, variant's device): the same device, and each way across two.
 DEVICE_PAIRS = [("cpu", "cpu"), pytest.param("cpu", "cuda", marks=ON_CUDA), pytest.param("cuda", "cpu", marks=ON_CUDA)]
 

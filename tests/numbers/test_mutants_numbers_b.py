@@ -14,7 +14,8 @@ from numpy_metrics import FLOAT_FIELDS, numpy_metrics
 from pytest_precision.numbers.logprobs import IGNORE_INDEX, chosen_logprobs, next_token_targets
 from pytest_precision.numbers.metrics import metrics_from_sums
 
-ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a device other than the CPU)")
+#: Skipped without --precision-gpu, as every test that needs CUDA.
+ON_CUDA = pytest.mark.precision_gpu
 
 
 def numpy_valid(labels: np.ndarray, mask: np.ndarray) -> np.ndarray:
