@@ -51,8 +51,15 @@ def numpy_chosen_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> np.nda
 
 @pytest.fixture
 def default_device() -> Iterator[None]:
+    """torch's default device put back as it was, to the attribute: on torch 2.6, set_default_device(None) leaves
+    torch._GLOBAL_DEVICE_CONTEXT.device_context = None, and transformers 4.x's from_pretrained reads its .device
+    whenever the attribute exists, so every later load in the process would fail."""
+    context = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    had_one = context is not None and hasattr(context, "device_context")
     yield
     torch.set_default_device(None)
+    if context is not None and not had_one and hasattr(context, "device_context"):
+        del context.device_context
 
 
 @pytest.mark.parametrize("other", ["meta", pytest.param("cuda", marks=ON_CUDA)])
