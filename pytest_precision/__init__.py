@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pytest_precision.distributed.sharding import ShardedModel, sharded
     from pytest_precision.engine.arrangements import Arrangement, Call
     from pytest_precision.engine.compare import compare
+    from pytest_precision.engine.compile_spec import CompileSpec
     from pytest_precision.engine.progress import ProgressEvent
     from pytest_precision.engine.reference_run import LowPrecisionReferenceWarning, reference
     from pytest_precision.engine.references import Reference, ReferenceCache
@@ -43,6 +44,7 @@ _EXPORTS = {
     "Call": "engine.arrangements",
     "assert_precision_within": "plugin.assertion",
     "compare": "engine.compare",
+    "CompileSpec": "engine.compile_spec",
     "LowPrecisionReferenceWarning": "engine.reference_run",
     "PrecisionUnassertedWarning": "plugin.session",
     "RankFailure": "distributed.ranks",
@@ -72,6 +74,7 @@ __all__ = [
     "Arrangement",
     "BaselineError",
     "Call",
+    "CompileSpec",
     "ConfigurationError",
     "LowPrecisionReferenceWarning",
     "ModelRunError",

@@ -407,15 +407,19 @@ class RunInfo:
     #: A format below 16 bits: {"format", "kernels" ("native", "emulated", "plain casts"), "modules" (how many
     #: took it), "torchao" (its version)}; None for the others.
     lowbit: dict[str, Any] | None = None
+    #: A compiled run (engine.compile_build.CompileWatch.facts): the torch.compile spec, the numeric Inductor
+    #: settings, the compiled regions and the graph breaks; None for eager runs.
+    compiled: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; `repeats` only when more than one and `lowbit` only when set, keeping other baselines
-        unchanged."""
+        """JSON-ready; `repeats` only when more than one, `lowbit` and `compiled` only when set, keeping other
+        baselines unchanged."""
         data = dataclasses.asdict(self)
         if self.repeats == 1:
             del data["repeats"]
-        if self.lowbit is None:
-            del data["lowbit"]
+        for optional in ("lowbit", "compiled"):
+            if data[optional] is None:
+                del data[optional]
         return data
 
     @classmethod
@@ -439,6 +443,8 @@ class ReportData:
     missing: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
     #: Variant -> where its first NaN/Inf appeared, "module.name (fw)" or "module.name (bw)" (see compare).
     nonfinite_origin: dict[str, str] = field(default_factory=dict)
+    #: Compiled variant -> what compiling cost in its run (engine.compile_build.CompileWatch.cost).
+    compile_costs: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Under torch.distributed: {"world_size": N, "mesh": [..] or None, "mesh_dims": [..] or None}; else empty.
     distributed: dict[str, Any] = field(default_factory=dict)
     #: For a causal LM, in memory only (not in the report's files): each variant's chosen-token log-probs

@@ -290,6 +290,7 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
     run."""
     from pytest_precision.cli.checkpoint import checked_device, open_checkpoint, quiet_transformers
     from pytest_precision.cli.progress_printer import ProgressPrinter
+    from pytest_precision.engine.compile_build import check_compilable
     from pytest_precision.engine.lowbit_build import check_runnable
 
     out = sys.stdout if out is None else out
@@ -300,6 +301,7 @@ def run_checkpoint(options: RunOptions, *, out: TextIO | None = None, err: TextI
     device = checked_device(options.device)
     check_backends(variants, device)
     check_runnable(variants, device)  # torchao, its configs, fp8 matmuls: before the reference runs
+    check_compilable(variants, device)  # Inductor on a CPU needs a C++ compiler
     claim = _check_files(options)
     planned: list[tuple[Role, str]] = [("variant", v.name) for v in variants]
     if options.reference is None:

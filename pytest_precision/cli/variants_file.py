@@ -17,10 +17,14 @@ an array of tables `[[variants]]`. Each entry takes the fields of Variant that n
                          (an argument may be {"config": "PerRow"}, another torchao object, or "torch.float8_e4m3fn")
     weight_storage       "float8_e4m3fn" or "float8_e5m2" (weights round-tripped, scaled per tensor)
     replay_routing       true (the reference's MoE routing) or the name of a variant listed before it
+    compile              true (Inductor, each selected block compiled), a backend name ("inductor", "aot_eager",
+                         "aot_eager_decomp_partition", "eager") or {"backend": ..., "mode": ..., "fullgraph": ...,
+                         "dynamic": ..., "scope": "regional" or "whole", "options": {"emulate_precision_casts": true}}
 
 Names are data, never paths to code: backend paths are the torch.backends settings of
 engine/backend_flag_names.py, quantize configs, argument objects and "torch.<dtype>" names those of
-engine/lowbit_formats.py (CONFIG_NAMES, ARGUMENT_NAMES, TORCH_DTYPE_NAMES).
+engine/lowbit_formats.py (CONFIG_NAMES, ARGUMENT_NAMES, TORCH_DTYPE_NAMES), compile backends, modes and Inductor
+options those of engine/compile_spec.py (BACKEND_NAMES, MODE_NAMES, OPTION_NAMES).
 
 Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry, raised
 when the file is read, before anything runs.
@@ -53,6 +57,7 @@ FILE_FIELDS: dict[str, str] = {
     "quantize": 'a torchao config class name, or an object {"config": name, ...its keyword arguments}',
     "weight_storage": "one of float8_e4m3fn, float8_e5m2",
     "replay_routing": "true, false or the name of an earlier variant",
+    "compile": 'true, false, a backend name or an object {"backend": name, "mode": ..., "options": {...}, ...}',
 }
 #: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
@@ -140,6 +145,17 @@ def _checked_backend(value: Any, where: str) -> dict[str, Any]:
     return flags
 
 
+def _checked_compile(value: Any, where: str) -> Any:
+    """A compile spec given by names only (a backend callable cannot come from a file), checked as Variant checks it."""
+    from pytest_precision.engine.compile_spec import compile_spec
+
+    if isinstance(value, Mapping) and "backend" in value and not isinstance(value["backend"], str):
+        raise ConfigurationError(f"{where}: compile backend must be a backend name, got {value['backend']!r}")
+    if not isinstance(value, (bool, str, Mapping)):
+        raise ConfigurationError(f"{where}: compile must be {FILE_FIELDS['compile']}, got {value!r}")
+    return compile_spec(value, where)
+
+
 def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
     """The Variant fields of one entry, each checked for its type and value."""
     from pytest_precision.base.dtypes import dtype_name
@@ -208,6 +224,8 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
         if not isinstance(entry["replay_routing"], (bool, str)) or entry["replay_routing"] == "":
             raise wrong("replay_routing")
         fields["replay_routing"] = entry["replay_routing"]
+    if "compile" in entry:
+        fields["compile"] = _checked_compile(entry["compile"], where)
     if "quantize" in entry:
         value = entry["quantize"]
         if isinstance(value, str) and value:

@@ -11,6 +11,7 @@ from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.distributed import ranks as distributed
 from pytest_precision.distributed.sharding import ShardedModel
 from pytest_precision.engine.capture import GRADIENT_KINDS, LOGITS_KIND, WEIGHT_KIND
+from pytest_precision.engine.compile_build import check_compilable
 from pytest_precision.engine.fingerprint import state_checksum
 from pytest_precision.engine.isolation import ambient_modes_off, comparison_device, preserved_rng
 from pytest_precision.engine.losses import LossFn, LossScale, loss_scale_for
@@ -122,11 +123,20 @@ def measure(
             absent: tuple[str, ...] = (LOGITS_KIND,)
             absent += ("loss",) if variant.arrangement is not None else ()
             absent += GRADIENT_KINDS if variant.forward_only else ()
-            missing = [key for key in stored if key not in seen and key[1] not in absent]
+            absent += (ROUTING_KIND,) if variant.compiled else ()
+            # A whole-graph compilation has no module rows: no hook may sit inside its graph.
+            whole = variant.compiled is not None and variant.compiled.scope == "whole"
+            unhooked = {*(runner.module_names or ()), "logits"} if whole else set()
+            missing = [
+                key
+                for key in stored
+                if key not in seen and key[1] not in absent and not (key[0] in unhooked and key[1] in ("fw", "bw"))
+            ]
             report.add(variant.name, info, records, missing)
         # The weights' reference_sums served this call's variants only (harmless if an error leaves them).
         for key in [key for key in ref.sums if key[1] == WEIGHT_KIND]:
             del ref.sums[key]
+        report.compile_costs = dict(runner.compile_costs)
         report.routing_choices = dict(runner.recorded_routing)
         report.reference_routing = runner.reference_routing
         report.routing_index = runner.positions.index
@@ -265,9 +275,19 @@ def compare(
             raise ConfigurationError(f"isolate must be True or False, got {isolate!r}")
         if isolate:
             # Arrangements compare another way of running the same tokens, forward only: not isolated.
-            variant_list = [v if v.arrangement else dataclasses.replace(v, isolate=True) for v in variant_list]
+            # A whole-graph compiled variant has no boundary to isolate at either.
+            variant_list = [
+                v
+                if v.arrangement or (v.compiled and v.compiled.scope == "whole")
+                else dataclasses.replace(v, isolate=True)
+                for v in variant_list
+            ]
     if any(v.lowbit for v in variant_list):
         check_runnable(variant_list, model.device if isinstance(model, Reference) else comparison_device(model, device))
+    if any(v.compiled for v in variant_list):
+        check_compilable(
+            variant_list, model.device if isinstance(model, Reference) else comparison_device(model, device)
+        )
     if isinstance(model, Reference):
         return measure(
             model,

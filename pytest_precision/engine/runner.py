@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ from pytest_precision.engine.capture import (
     select_modules,
     trace_nonfinite,
 )
+from pytest_precision.engine.compile_build import CompileWatch, add_costs, compile_regions, compiler_state_kept
 from pytest_precision.engine.host_sums import HostSums
 from pytest_precision.engine.isolation import ambient_modes_off, seed_run
 from pytest_precision.engine.losses import LossFn, loss_of
@@ -124,6 +126,9 @@ class Runner:
         self.flip_margins: dict[str, dict[str, list[float]]] = {}
         #: The reference's routing tensors by router label (set by measure; replay_routing=True replays them).
         self.reference_routing: dict[str, torch.Tensor] = {}
+        #: What each compiled variant's runs cost to compile, summed over its runs (compile_build.add_costs).
+        self.compile_costs: dict[str, dict[str, Any]] = {}
+        self._watch: CompileWatch | None = None
         if self.distributed:
             everyone = distributed.exchange((self.inputs_described, self.batch.digest()))
             self.inputs_described = everyone[0][0]
@@ -160,6 +165,37 @@ class Runner:
         reach `sink`, as kinds "fw_isolated", ... With `recording`, the isolation boundaries' inputs and output
         gradients are recorded into it.
         """
+        spec = variant.compiled
+        if spec is None:
+            return self._run(variant, sink, loss_scale, origin=origin, isolation=isolation, recording=recording)
+        if self.distributed or isinstance(self.source, ShardedModel):
+            raise ConfigurationError(
+                f"variant {variant.name!r}: compiled variants are measured on an unsharded model in one process (a "
+                "sharded model's compilation is not built here yet); compare the unsharded model, compiled, in one "
+                "process"
+            )
+        self._watch = None
+        start = time.perf_counter()
+        with compiler_state_kept(len(self.module_names or ()) + 1, lambda: self._watch):
+            info = self._run(variant, sink, loss_scale, origin=origin, isolation=isolation, recording=recording)
+        watch = self._watch
+        assert watch is not None
+        watch.check(variant.name)
+        self.compile_costs[variant.name] = add_costs(
+            self.compile_costs.get(variant.name), watch.cost(), time.perf_counter() - start
+        )
+        return dataclasses.replace(info, compiled=watch.facts())
+
+    def _run(
+        self,
+        variant: Variant,
+        sink: Sink,
+        loss_scale: float = 1.0,
+        *,
+        origin: dict[str, str] | None = None,
+        isolation: isolated.Recorded | None = None,
+        recording: isolated.Recorded | None = None,
+    ) -> RunInfo:
         import torch
 
         with ambient_modes_off(self.device), pinned_backend(variant, self.device.type) as flags:
@@ -167,7 +203,15 @@ class Runner:
             model = build_run_model(self.source, variant, self.device, self.products)
             if self.module_names is None:
                 self.module_names = select_modules(model, self.modules)
-            routers = self._routers(model, variant)
+            captured = self.module_names
+            spec = variant.compiled
+            if spec is not None:
+                # The last build step: hooks stay at the regions' boundaries, outside compiled code; a whole-graph
+                # compilation has none inside it, and no router rows (their hooks would sit in compiled code).
+                self._watch = compile_regions(model, spec, self.module_names, self.device.type)
+                captured = [] if spec.scope == "whole" else self.module_names
+                origin = None
+            routers = {} if spec is not None else self._routers(model, variant)
             replay = self._replay(variant, routers)
             float_dtype = torch_dtype(variant.weight_dtype)
             args, kwargs = self.batch.on(self.device, float_dtype)
@@ -206,7 +250,7 @@ class Runner:
                 recorder,
                 capture(
                     model,
-                    self.module_names,
+                    captured,
                     sink,
                     backward=backward,
                     parameter_grads=hooked_grads,
@@ -507,7 +551,8 @@ class Runner:
         ):
             return
         if self.backward and logits.requires_grad:
-            logits.register_hook(lambda grad: sink("logits", "bw", grad))  # type: ignore[no-untyped-call]
+            # A whole-graph compiled model computes its loss inside the graph: its returned logits get no gradient.
+            logits.register_hook(lambda grad: None if grad is None else sink("logits", "bw", grad))  # type: ignore[no-untyped-call]
         sink("logits", LOGITS_KIND, logits.detach())
         logprobs = chosen_logprobs(
             logits.detach(), self.targets, temperature=self.temperature, dtype=self.logprob_dtype

@@ -11,6 +11,7 @@ from pytest_precision.base.dtypes import DTypeName, dtype_name, torch_dtype
 from pytest_precision.base.errors import ConfigurationError
 from pytest_precision.base.file_names import windows_device_name
 from pytest_precision.engine.arrangements import Arrangement, resolve_arrangement
+from pytest_precision.engine.compile_spec import CompileSpec, compile_spec
 from pytest_precision.engine.lowbit_formats import (
     FP8_RECIPES,
     STORAGE_FORMATS,
@@ -81,6 +82,10 @@ class Variant:
         Replay): True, the reference's; a variant's name, that variant's (listed before this one). Only the top-k
         expert set per token is replayed: the routing weights come from this variant's own router logits at
         those experts, and everything else is computed as without replay (see pytest_precision.engine.routers).
+    compile: run the variant's model compiled with torch.compile, built last (after every other step): True
+        (Inductor, default mode, each selected block compiled on its own), a backend name, a dict of torch.compile's
+        arguments (backend, mode, fullgraph, dynamic, options) and "scope" ("regional" or "whole"), or a
+        CompileSpec (see pytest_precision.engine.compile_build).
     """
 
     name: str
@@ -101,6 +106,7 @@ class Variant:
     weight_storage: str | None = None
     lowbit_filter: Callable[[Any, str], bool] | None = field(default=None, compare=False)
     replay_routing: bool | str = False
+    compile: CompileSpec | bool | str | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.name, str):
@@ -128,6 +134,29 @@ class Variant:
             raise ConfigurationError(f"variant {self.name!r}: autocast needs dtype bfloat16 or float16")
         self._check_lowbit()
         self._check_replay()
+        self._check_compile()
+
+    def _check_compile(self) -> None:
+        where = f"variant {self.name!r}"
+        spec = compile_spec(self.compile, where)
+        object.__setattr__(self, "compile", spec)
+        if spec is None:
+            return
+        if self.arrangement is not None or self.fsdp_knobs or self.replay_routing:
+            what = (
+                "an arrangement"
+                if self.arrangement is not None
+                else ("FSDP2 mixed precision" if self.fsdp_knobs else "routing replay")
+            )
+            raise ConfigurationError(
+                f"{where}: a compiled variant runs one full forward of an unsharded model, with no hook inside its "
+                f"compiled code; {what} is not measured compiled: use a separate variant"
+            )
+        if self.isolate and spec.scope == "whole":
+            raise ConfigurationError(
+                f"{where}: isolate=True measures each compiled block on the reference's input, which needs regional "
+                "compilation; use compile={'scope': 'regional', ...} (the default)"
+            )
 
     def _check_replay(self) -> None:
         replay = self.replay_routing
@@ -198,6 +227,7 @@ class Variant:
                 quantize_description(self.quantize),
                 self.weight_storage,
                 self.replay_routing,
+                self.compile,
             )
         )
 
@@ -251,7 +281,13 @@ class Variant:
             **({"weight_storage": self.weight_storage} if self.weight_storage is not None else {}),
             **({"lowbit_filter": _qualified_name(self.lowbit_filter)} if self.lowbit_filter is not None else {}),
             **({"replay_routing": self.replay_routing} if self.replay_routing else {}),
+            **({"compile": self.compile.to_dict()} if isinstance(self.compile, CompileSpec) else {}),
         }
+
+    @property
+    def compiled(self) -> CompileSpec | None:
+        """The variant's CompileSpec (None: eager)."""
+        return self.compile if isinstance(self.compile, CompileSpec) else None
 
 
 def _qualified_name(function: Callable[..., Any]) -> str:
@@ -310,6 +346,14 @@ BUILTIN_VARIANTS: dict[str, Variant] = {
         # same variant without replay the error splits into what routing flips cause and what arithmetic causes.
         Variant("fp32_replay", dtype="float32", replay_routing=True),
         Variant("bf16_replay", dtype="bfloat16", replay_routing=True),
+        # Compiled (torch.compile, each selected block compiled on its own; see docs/concepts/compiled.md): Inductor's
+        # fused kernels; Inductor rounding every intermediate as eager does (emulate_precision_casts), which
+        # leaves what fusion changes beyond rounding; and AOTAutograd's decompositions run by eager kernels,
+        # without Inductor's code generation, which separates what decomposition changes from what fusion does.
+        Variant("fp32_compiled", dtype="float32", compile=True),
+        Variant("bf16_compiled", dtype="bfloat16", compile=True),
+        Variant("bf16_compiled_emulated", dtype="bfloat16", compile={"options": {"emulate_precision_casts": True}}),
+        Variant("bf16_compiled_aot_eager", dtype="bfloat16", compile="aot_eager"),
     )
 }
 
@@ -371,6 +415,7 @@ def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
         or reference.fsdp_knobs
         or reference.arrangement is not None
         or reference.replay_routing
+        or reference.compile is not None
     ):
         raise ConfigurationError(
             f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pytest_precision.base.errors import PrecisionError
 from pytest_precision.gate.baseline import baseline_stem, owned_document, parse_baseline_name
+from pytest_precision.gate.compile_check import compile_changes
 from pytest_precision.gate.diff_gate import DiffOptions as DiffOptions
 from pytest_precision.gate.diff_gate import check_carried, recorded_gates
 from pytest_precision.gate.lowbit_check import lowbit_changes
@@ -146,6 +147,8 @@ def print_test(
     # A variant that converted another format or other modules below 16 bits measures something else: it fails.
     converted = lowbit_changes(
         {v: old.runs[v].lowbit for v in old.variants}, {v: new.runs[v].lowbit for v in new.variants}
+    ) + compile_changes(
+        {v: old.runs[v].compiled for v in old.variants}, {v: new.runs[v].compiled for v in new.variants}
     )
     lost = converted + lost_checks(old, new, options.metrics)
     only_new = [v for v in new.variants if v not in old.variants]

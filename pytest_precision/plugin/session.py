@@ -248,6 +248,7 @@ class PrecisionSession:
         """(outcome, failure message or None) of one check."""
         from pytest_precision.gate import baseline as baselines
         from pytest_precision.gate.checks import check_against_baseline, check_carried, check_limits, undefined_metrics
+        from pytest_precision.gate.compile_check import compile_failure
         from pytest_precision.gate.drift import drift_allowance, environment_differences
         from pytest_precision.gate.lowbit_check import lowbit_failure
         from pytest_precision.gate.tolerance import DEFAULT_METRICS, validated_metrics
@@ -350,6 +351,9 @@ class PrecisionSession:
             item.user_properties.append(("precision_worst_ratio", f"{result.worst_ratio:.6g}"))
         # Fewer or other modules converted below 16 bits measure something else (their error may even fall).
         lowbit = lowbit_failure(loaded.data, report, str(shown), messages.refresh_command(nodeid))
+        # A compiled variant that compiled other regions, other settings or broke its graphs ran other code.
+        compiled = compile_failure(loaded.data, report, str(shown), messages.refresh_command(nodeid))
+        lowbit = lowbit if compiled is None else (compiled if lowbit is None else f"{lowbit}\n{compiled}")
         parts = [] if lowbit is None else [lowbit]
         rows = result.gated * len(gated_metrics)
         full_list = self._full_list_hint(item.nodeid, shown, rows)

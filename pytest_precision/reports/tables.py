@@ -338,6 +338,39 @@ def lowbit_lines(report: PrecisionReport) -> list[str]:
     return lines
 
 
+def compiled_lines(report: PrecisionReport) -> list[str]:
+    """One line per compiled variant: what it compiled (scope, backend, mode, options), its regions, graph breaks,
+    the numeric Inductor settings, and what compiling cost in this run."""
+    lines = []
+    for variant in report.variants:
+        compiled = report.runs[variant].compiled
+        if not compiled:
+            continue
+        spec = [f"{compiled['scope']} torch.compile, backend {compiled['backend']}"]
+        spec += [f"mode {compiled['mode']}"] if compiled.get("mode") else []
+        spec += ["fullgraph"] if compiled.get("fullgraph") else []
+        spec += [f"{key}={value}" for key, value in (compiled.get("options") or {}).items()]
+        regions = compiled.get("regions") or []
+        breaks = compiled.get("graph_breaks", 0)
+        reasons = compiled.get("break_reasons") or []
+        why = f" ({reasons[0]})" if breaks and reasons else ""
+        split = compiled.get("graphs_per_call", 1)
+        graphs = f", up to {split} graphs per region call" if split and split > 1 else ""
+        line = f"  {variant}: {', '.join(spec)}; {len(regions)} region(s), {breaks} graph break(s){why}{graphs}"
+        cost = getattr(report, "compile_costs", {}).get(variant)
+        if cost:
+            line += (
+                f"; compiling {cost['compile_seconds']:.2f}s of {cost['run_seconds']:.2f}s over {cost['runs']} run(s), "
+                f"{cost['compilations']} graph(s)"
+            )
+        lines.append(line)
+        settings = compiled.get("numeric_settings") or {}
+        if settings:
+            isa = f" (CPU code for {compiled['cpu_isa']})" if compiled.get("cpu_isa") else ""
+            lines.append(f"    inductor{isa}: " + ", ".join(f"{key}={value}" for key, value in settings.items()))
+    return lines
+
+
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
     """The summary tables, then (with `full`) each variant's per-tensor table."""
     reference = report.reference.variant.get("name", "fp32")
@@ -351,6 +384,7 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
         where += f", {ranks['world_size']} ranks{shape}"
     lines = [f"precision: {metric} against the {reference} reference on {where}, in execution order"]
     lines += lowbit_lines(report)
+    lines += compiled_lines(report)
     for kind in SUMMARY_KINDS:
         table = summary_table(report, kind, metric)
         if table:

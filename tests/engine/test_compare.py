@@ -131,6 +131,7 @@ UNSHARDED_BUILTINS = sorted(
     if not variant.fsdp_knobs
     and not variant.lowbit
     and not variant.replay_routing  # replay: tests/engine/test_routing.py
+    and variant.compiled is None  # compiled: tests/engine/test_compiled_variants.py, compiling each once
 )
 
 

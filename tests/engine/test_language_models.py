@@ -371,9 +371,10 @@ def test_logprob_table():
     assert [row[0] for row in rows] == ["bf16", "fp16"]
 
 
-# Replay needs an MoE: tests/engine/test_routing.py.
+# Replay needs an MoE: tests/engine/test_routing.py; compiled variants: tests/engine/test_compiled_variants.py.
 @pytest.mark.parametrize(
-    "name", sorted(n for n, v in BUILTIN_VARIANTS.items() if not v.fsdp_knobs and not v.replay_routing)
+    "name",
+    sorted(n for n, v in BUILTIN_VARIANTS.items() if not v.fsdp_knobs and not v.replay_routing and not v.compiled),
 )
 def test_forward_only_gives_the_same_forward_and_logprob_numbers(name):
     model = tiny_llama(layers=2)

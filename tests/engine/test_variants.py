@@ -54,6 +54,10 @@ EXPECTED_BUILTINS = {
     "fp8_e5m2_weights": ("bfloat16", False),
     "fp32_replay": ("float32", False),
     "bf16_replay": ("bfloat16", False),
+    "fp32_compiled": ("float32", False),
+    "bf16_compiled": ("bfloat16", False),
+    "bf16_compiled_emulated": ("bfloat16", False),
+    "bf16_compiled_aot_eager": ("bfloat16", False),
 }
 
 

@@ -150,6 +150,15 @@ def warm_up() -> None:
     torch.float8_e4m3fn  # noqa: B018
     if importlib.util.find_spec("torchao") is not None:  # the lowbit variants' modules, loaded once here
         compare(tiny.tiny_model(), tiny.tiny_batch(), ["fp8_rowwise", "int8_weight_only", "fp8_e4m3_weights"])
+    # torch.compile's modules (dynamo's backend registry refuses a backend registered twice, as a re-import in a
+    # pytester run would): one tiny compilation with each backend the compiled variants' tests run.
+    import torch._dynamo
+    import torch._inductor.compile_fx
+
+    for backend in ("eager", "aot_eager"):
+        torch.compile(torch.sin, backend=backend)(torch.ones(2))
+    torch._dynamo.list_backends()
+    torch._dynamo.reset()
     # What --precision-report's plot imports, imported here once: then the warnings of matplotlib and the class
     # that run's -W ignores come from one pyparsing (run re-imports nothing that a warning class could differ in).
     if plots.matplotlib_available():

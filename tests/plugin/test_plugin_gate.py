@@ -345,7 +345,8 @@ def test_unknown_variant_lists_the_builtins(pytester, monkeypatch):
         "fp32_sdpa, bf16_eager, bf16_sdpa, fsdp_bf16, fsdp_bf16_reduce_bf16, fp32_decode, bf16_decode, fp16_decode, "
         "bf16_fp32_head_decode, fp32_batch_alone, bf16_batch_alone, fp32_left_padded, bf16_left_padded, "
         "fp8_tensorwise, fp8_rowwise, fp8_rowwise_gw_hp, int8_weight_only, int8_dynamic, fp8_weight_only, "
-        "fp8_dynamic, fp8_e4m3_weights, fp8_e5m2_weights, fp32_replay, bf16_replay; or pass "
+        "fp8_dynamic, fp8_e4m3_weights, fp8_e5m2_weights, fp32_replay, bf16_replay, fp32_compiled, bf16_compiled, "
+        "bf16_compiled_emulated, bf16_compiled_aot_eager; or pass "
         "pytest_precision.Variant(name=..., dtype=..., ...)"
     )
     assert message in section
