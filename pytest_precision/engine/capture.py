@@ -312,10 +312,14 @@ def _removed(handles: list[Any]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def trace_nonfinite(model: nn.Module, *, backward: bool) -> Iterator[NonfiniteTrace]:
+def trace_nonfinite(
+    model: nn.Module, *, backward: bool, compiled_regions: Sequence[str] = ()
+) -> Iterator[NonfiniteTrace]:
     """Watch every module of `model` for the first non-finite value, with hooks that are always removed.
 
-    Costs a device synchronisation per module and tensor: for a diagnostic run only.
+    A module inside one of `compiled_regions` (names; "" the whole model) is not watched: a hook there would sit in
+    compiled code. Its region is, and owns its parameters. Costs a device synchronisation per module and tensor:
+    for a diagnostic run only.
     """
     trace = NonfiniteTrace()
     handles: list[Any] = []
@@ -350,7 +354,10 @@ def trace_nonfinite(model: nn.Module, *, backward: bool) -> Iterator[NonfiniteTr
         warnings.filterwarnings("ignore", message="For backward hooks to be called", category=UserWarning)
         warnings.filterwarnings("ignore", message="Full backward hook is firing", category=UserWarning)
         owners: dict[int, str] = {}
+        regions = set(compiled_regions)
         for name, module in model.named_modules():
+            if any(name.startswith(region + ".") or (region == "" and name) for region in regions):
+                continue
             label = name or type(model).__name__
             before, after, before_backward, after_backward = make_hooks(label)
             handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
@@ -358,7 +365,7 @@ def trace_nonfinite(model: nn.Module, *, backward: bool) -> Iterator[NonfiniteTr
             if backward:
                 handles.append(module.register_full_backward_pre_hook(before_backward))
                 handles.append(module.register_full_backward_hook(after_backward))
-                for parameter in module.parameters(recurse=False):
+                for parameter in module.parameters(recurse=name in regions):
                     owners.setdefault(id(parameter), label)
         if backward:
             import torch

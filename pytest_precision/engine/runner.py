@@ -210,7 +210,6 @@ class Runner:
                 # compilation has none inside it, and no router rows (their hooks would sit in compiled code).
                 self._watch = compile_regions(model, spec, self.module_names, self.device.type)
                 captured = [] if spec.scope == "whole" else self.module_names
-                origin = None
             routers = {} if spec is not None else self._routers(model, variant)
             replay = self._replay(variant, routers)
             float_dtype = torch_dtype(variant.weight_dtype)
@@ -221,7 +220,8 @@ class Runner:
             autocast = self._autocast(variant)
             watch: contextlib.AbstractContextManager[NonfiniteTrace | None] = contextlib.nullcontext()
             if origin is not None:
-                watch = trace_nonfinite(model, backward=backward)
+                regions = self._watch.regions if spec is not None and self._watch is not None else ()
+                watch = trace_nonfinite(model, backward=backward, compiled_regions=regions)
             if self.distributed:
                 sink = self._localized(sink)
                 self.mesh = mesh_of(model)

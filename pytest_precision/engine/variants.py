@@ -408,6 +408,11 @@ def resolve_variants(specs: object) -> list[Variant]:
 def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
     """The reference run: "fp32" (IEEE fp32 matmuls, TF32 off) by default, or "fp64"."""
     reference = resolve_variant(spec, argument="reference")
+    if reference.compile is not None:
+        raise ConfigurationError(
+            f"reference: {reference.name!r} is compiled; the reference runs eager ('fp32' or 'fp64'): compile the "
+            "variants measured against it"
+        )
     if (
         reference.dtype not in ("float32", "float64")
         or reference.autocast
@@ -415,7 +420,6 @@ def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
         or reference.fsdp_knobs
         or reference.arrangement is not None
         or reference.replay_routing
-        or reference.compile is not None
     ):
         raise ConfigurationError(
             f"reference: {reference.name!r} computes in {reference.dtype} with matmul precision "

@@ -366,3 +366,21 @@ def test_a_sharded_model_is_not_compiled_here() -> None:
 
     with pytest.raises(ConfigurationError, match="compiled variants are measured on an unsharded model in one process"):
         compare(sharded(net(), lambda model, variant: model), net_input(), variants=[DYNAMO_EAGER], loss_fn=square_loss)
+
+
+class CompiledOnlyNan(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if torch.compiler.is_compiling():
+            out = out * float("nan")
+        return out
+
+
+def test_where_nan_first_appears_is_found_at_the_compiled_regions() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model.blocks[1] = CompiledOnlyNan(16)
+    report = compare(model, net_input(), variants=[DYNAMO_EAGER], loss_fn=square_loss)
+    assert report.nonfinite_origin == {"fp32_dynamo_eager": "blocks.1 (fw)"}
+    assert report.get("fp32_dynamo_eager", "blocks.0").nonfinite == 0
+    assert report.get("fp32_dynamo_eager", "blocks.1").nonfinite == 64
