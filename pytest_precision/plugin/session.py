@@ -353,8 +353,9 @@ class PrecisionSession:
         lowbit = lowbit_failure(loaded.data, report, str(shown), messages.refresh_command(nodeid))
         # A compiled variant that compiled other regions, other settings or broke its graphs ran other code.
         compiled = compile_failure(loaded.data, report, str(shown), messages.refresh_command(nodeid))
-        lowbit = lowbit if compiled is None else (compiled if lowbit is None else f"{lowbit}\n{compiled}")
-        parts = [] if lowbit is None else [lowbit]
+        # Either one: the run measured other code than its baseline did (and an improvement is not one then).
+        measured_otherwise = [text for text in (lowbit, compiled) if text is not None]
+        parts = list(measured_otherwise)
         rows = result.gated * len(gated_metrics)
         full_list = self._full_list_hint(item.nodeid, shown, rows)
         if result.violations:
@@ -377,7 +378,7 @@ class PrecisionSession:
             parts.append(messages.improvement_message(result.improvements, shown, nodeid, order, full_list=full_list))
         if self.update and self.update_mode == "failing" and parts:
             return update()  # the rewritten file holds this run's numbers: nothing improved against it
-        if result.improvements and not self.strict and lowbit is None:
+        if result.improvements and not self.strict and not measured_otherwise:
             self.improvements[nodeid] = len({(v.variant, v.name, v.kind) for v in result.improvements})
         if self.update and self.update_mode == "failing":
             return "kept", None

@@ -153,11 +153,15 @@ def warm_up() -> None:
     # torch.compile's modules (dynamo's backend registry refuses a backend registered twice, as a re-import in a
     # pytester run would): one tiny compilation with each backend the compiled variants' tests run.
     import torch._dynamo
-    import torch._inductor.compile_fx
 
-    for backend in ("eager", "aot_eager"):
-        torch.compile(torch.sin, backend=backend)(torch.ones(2))
-    torch._dynamo.list_backends()
+    from pytest_precision.engine.compile_build import compiler_quiet
+
+    with compiler_quiet():  # torch.jit.script_method's deprecation, raised by a module Inductor imports
+        import torch._inductor.compile_fx
+
+        for backend in ("eager", "aot_eager"):
+            torch.compile(torch.sin, backend=backend)(torch.ones(2))
+        torch._dynamo.list_backends()
     torch._dynamo.reset()
     # What --precision-report's plot imports, imported here once: then the warnings of matplotlib and the class
     # that run's -W ignores come from one pyparsing (run re-imports nothing that a warning class could differ in).
