@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from pytest_precision.gate.lowbit_check import changes_by_variant, recorded_run_blocks, shown_names
+
 if TYPE_CHECKING:
     from pytest_precision.reports.report import PrecisionReport
 
@@ -28,13 +30,6 @@ GATED_FIELDS = (
     "graph_breaks",
     "graphs_per_call",
 )
-#: Region names shown per list before "... N more".
-SHOWN_NAMES = 6
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:SHOWN_NAMES])
-    return shown + (f", ... {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
 
 
 def compile_change(variant: str, recorded: Mapping[str, Any] | None, obtained: Mapping[str, Any] | None) -> str | None:
@@ -53,8 +48,8 @@ def compile_change(variant: str, recorded: Mapping[str, Any] | None, obtained: M
         if name == "regions":
             missing = [r for r in old or [] if r not in (new or [])]
             added = [r for r in new or [] if r not in (old or [])]
-            parts = [f"missing {_names(missing)}"] if missing else []
-            parts += [f"added {_names(added)}"] if added else []
+            parts = [f"missing {shown_names(missing)}"] if missing else []
+            parts += [f"added {shown_names(added)}"] if added else []
             detail = "; ".join(parts) or "the same regions in another order"
             return f"{where}: the baseline compiled {len(old or [])} regions, this run {len(new or [])}: {detail}"
         if name == "graph_breaks":
@@ -78,19 +73,12 @@ def compile_changes(
 ) -> list[str]:
     """A compile_change line for each variant in both mappings ({variant: its run's compiled block}) whose
     compilation differs, in `obtained`'s order."""
-    lines = []
-    for variant, now in obtained.items():
-        if variant in recorded:
-            line = compile_change(variant, recorded[variant], now)
-            if line is not None:
-                lines.append(line)
-    return lines
+    return changes_by_variant(recorded, obtained, compile_change)
 
 
 def recorded_compiled(document: Mapping[str, Any]) -> dict[str, Mapping[str, Any] | None]:
     """{variant: its run's compiled block, None where it ran eager} of a baseline file's content."""
-    variants = document.get("variants") or {}
-    return {name: (entry.get("run") or {}).get("compiled") for name, entry in variants.items()}
+    return recorded_run_blocks(document, "compiled")
 
 
 def compile_failure(document: Mapping[str, Any], report: PrecisionReport, baseline: str, refresh: str) -> str | None:

@@ -9,7 +9,7 @@ torchao version are the environment's, not the variant's: they are not compared 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +24,8 @@ def _kind(lowbit: Mapping[str, Any]) -> str:
     return str(lowbit.get("format", "low-bit")).split(",")[0]
 
 
-def _names(names: list[str]) -> str:
+def shown_names(names: list[str]) -> str:
+    """Up to SHOWN_NAMES names, then "... N more"."""
     shown = ", ".join(names[:SHOWN_NAMES])
     return shown + (f", ... {len(names) - SHOWN_NAMES} more" if len(names) > SHOWN_NAMES else "")
 
@@ -62,8 +63,8 @@ def lowbit_change(variant: str, recorded: Mapping[str, Any] | None, obtained: Ma
     added = sorted(set(new_names) - set(old_names))
     if not missing and not added:
         return None
-    parts = [f"missing {_names(missing)}"] if missing else []
-    parts += [f"added {_names(added)}"] if added else []
+    parts = [f"missing {shown_names(missing)}"] if missing else []
+    parts += [f"added {shown_names(added)}"] if added else []
     counts = f"the baseline's {kind} converted {len(old_names)} modules, this run {len(new_names)}"
     return f"{where}: {counts}: {'; '.join(parts)}"
 
@@ -73,19 +74,34 @@ def lowbit_changes(
 ) -> list[str]:
     """A lowbit_change line for each variant in both `recorded` and `obtained` ({variant: its run's lowbit block})
     whose conversion differs, in `obtained`'s order (a variant new or missing is the records' gate's to name)."""
+    return changes_by_variant(recorded, obtained, lowbit_change)
+
+
+def changes_by_variant(
+    recorded: Mapping[str, Mapping[str, Any] | None],
+    obtained: Mapping[str, Mapping[str, Any] | None],
+    change: Callable[[str, Mapping[str, Any] | None, Mapping[str, Any] | None], str | None],
+) -> list[str]:
+    """`change(variant, recorded block, obtained block)` for each variant in both mappings, in `obtained`'s order,
+    where it names a difference."""
     lines = []
     for variant, now in obtained.items():
         if variant in recorded:
-            line = lowbit_change(variant, recorded[variant], now)
+            line = change(variant, recorded[variant], now)
             if line is not None:
                 lines.append(line)
     return lines
 
 
+def recorded_run_blocks(document: Mapping[str, Any], field: str) -> dict[str, Mapping[str, Any] | None]:
+    """{variant: its run's `field` block, None where it has none} of a baseline file's content."""
+    variants = document.get("variants") or {}
+    return {name: (entry.get("run") or {}).get(field) for name, entry in variants.items()}
+
+
 def recorded_lowbit(document: Mapping[str, Any]) -> dict[str, Mapping[str, Any] | None]:
     """{variant: its run's lowbit block, None where it has none} of a baseline file's content."""
-    variants = document.get("variants") or {}
-    return {name: (entry.get("run") or {}).get("lowbit") for name, entry in variants.items()}
+    return recorded_run_blocks(document, "lowbit")
 
 
 def lowbit_message(lines: list[str], baseline: str, refresh: str) -> str:
