@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from pytest_precision.engine.arrangements import Arrangement, Call
     from pytest_precision.engine.compare import compare
     from pytest_precision.engine.compile_spec import CompileSpec
+    from pytest_precision.engine.port_spec import Port
     from pytest_precision.engine.progress import ProgressEvent
     from pytest_precision.engine.reference_run import LowPrecisionReferenceWarning, reference
     from pytest_precision.engine.references import Reference, ReferenceCache
@@ -67,6 +68,7 @@ _EXPORTS = {
     "Record": "base.records",
     "BUILTIN_VARIANTS": "engine.variants",
     "Variant": "engine.variants",
+    "Port": "engine.port_spec",
 }
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "LowPrecisionReferenceWarning",
     "ModelRunError",
     "NotSupportedHere",
+    "Port",
     "PrecisionError",
     "PrecisionReport",
     "PrecisionUnassertedWarning",

@@ -410,14 +410,17 @@ class RunInfo:
     #: A compiled run (engine.compile_build.CompileWatch.facts): the torch.compile spec, the numeric Inductor
     #: settings, the compiled regions and the graph breaks; None for eager runs.
     compiled: dict[str, Any] | None = None
+    #: Another implementation's run (engine.port_build.PortModel.facts): its name and class, the module map, the
+    #: parameters whose weights were checked equal, and the modules of either side left unmapped; None otherwise.
+    port: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; `repeats` only when more than one, `lowbit` and `compiled` only when set, keeping other
+        """JSON-ready; `repeats` only when more than one, `lowbit`, `compiled` and `port` only when set, keeping other
         baselines unchanged."""
         data = dataclasses.asdict(self)
         if self.repeats == 1:
             del data["repeats"]
-        for optional in ("lowbit", "compiled"):
+        for optional in ("lowbit", "compiled", "port"):
             if data[optional] is None:
                 del data[optional]
         return data

@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a JSON or TOML file of variants by their fields (name, dtype, "
         "autocast, fp32_modules, matmul_precision, backend, attn_implementation, arrangement, fp8_training, quantize, "
-        "weight_storage); mixes with --variants",
+        "weight_storage, replay_routing, compile, implementation); mixes with --variants",
     )
     variants.add_argument(
         "--isolate", action="store_true", help="also each module's isolated error (the error it adds itself)"

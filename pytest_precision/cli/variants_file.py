@@ -20,11 +20,15 @@ an array of tables `[[variants]]`. Each entry takes the fields of Variant that n
     compile              true (Inductor, each selected block compiled), a backend name ("inductor", "aot_eager",
                          "aot_eager_decomp_partition", "eager") or {"backend": ..., "mode": ..., "fullgraph": ...,
                          "dynamic": ..., "scope": "regional" or "whole", "options": {"emulate_precision_casts": true}}
+    implementation       the name of a port (another implementation of the model: "torchtune_llama", or one an installed
+                         package declares under the entry-point group pytest_precision.implementations)
 
 Names are data, never paths to code: backend paths are the torch.backends settings of
 engine/backend_flag_names.py, quantize configs, argument objects and "torch.<dtype>" names those of
 engine/lowbit_formats.py (CONFIG_NAMES, ARGUMENT_NAMES, TORCH_DTYPE_NAMES), compile backends, modes and Inductor
-options those of engine/compile_spec.py (BACKEND_NAMES, MODE_NAMES, OPTION_NAMES).
+options those of engine/compile_spec.py (BACKEND_NAMES, MODE_NAMES, OPTION_NAMES), implementations those of
+engine/port_registry.py (the ports this package ships and the installed packages' entry points: a name selects one,
+it never names a module to import).
 
 Anything else, or a value of the wrong type, is a ConfigurationError naming the file and the entry, raised
 when the file is read, before anything runs.
@@ -58,6 +62,7 @@ FILE_FIELDS: dict[str, str] = {
     "weight_storage": "one of float8_e4m3fn, float8_e5m2",
     "replay_routing": "true, false or the name of an earlier variant",
     "compile": 'true, false, a backend name or an object {"backend": name, "mode": ..., "options": {...}, ...}',
+    "implementation": "the name of a port: torchtune_llama or one an installed package declares",
 }
 #: A run's name becomes a file name (logprobs/<name>.npy): no separators, no leading dot.
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+\-]*")
@@ -226,6 +231,16 @@ def _checked_entry(entry: Any, where: str) -> dict[str, Any]:
         fields["replay_routing"] = entry["replay_routing"]
     if "compile" in entry:
         fields["compile"] = _checked_compile(entry["compile"], where)
+    if "implementation" in entry:
+        from pytest_precision.engine.port_registry import port_names, resolve_port
+
+        value = entry["implementation"]
+        if not isinstance(value, str) or value not in port_names():
+            raise ConfigurationError(
+                f"{where}: implementation must be {FILE_FIELDS['implementation']} (known here: "
+                f"{', '.join(port_names())}), got {value!r}"
+            )
+        fields["implementation"] = resolve_port(value, where)
     if "quantize" in entry:
         value = entry["quantize"]
         if isinstance(value, str) and value:

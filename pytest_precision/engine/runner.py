@@ -52,6 +52,7 @@ from pytest_precision.engine.model_facts import (
     parameter_categories,
     rank_average,
 )
+from pytest_precision.engine.port_build import PortModel, build_port_model
 from pytest_precision.engine.positions import Positions, batch_positions, select_positions
 from pytest_precision.engine.progress import Phase, RunProgress
 from pytest_precision.engine.routers import ROUTING_KIND, Router, Routers, checked_routers, find_routers
@@ -200,17 +201,22 @@ class Runner:
 
         with ambient_modes_off(self.device), pinned_backend(variant, self.device.type) as flags:
             self.phase("build")
-            model = build_run_model(self.source, variant, self.device, self.products)
+            port: PortModel | None = None
+            if variant.port is not None:
+                model, port = self._port_model(variant)
+                sink = port.sink(sink)
+            else:
+                model = build_run_model(self.source, variant, self.device, self.products)
             if self.module_names is None:
                 self.module_names = select_modules(model, self.modules)
-            captured = self.module_names
+            captured = self.module_names if port is None else port.captured
             spec = variant.compiled
             if spec is not None:
                 # The last build step: hooks stay at the regions' boundaries, outside compiled code; a whole-graph
                 # compilation has none inside it, and no router rows (their hooks would sit in compiled code).
-                self._watch = compile_regions(model, spec, self.module_names, self.device.type)
-                captured = [] if spec.scope == "whole" else self.module_names
-            routers = {} if spec is not None else self._routers(model, variant)
+                self._watch = compile_regions(model, spec, captured, self.device.type)
+                captured = [] if spec.scope == "whole" else captured
+            routers = {} if spec is not None or port is not None else self._routers(model, variant)
             replay = self._replay(variant, routers)
             float_dtype = torch_dtype(variant.weight_dtype)
             args, kwargs = self.batch.on(self.device, float_dtype)
@@ -225,7 +231,9 @@ class Runner:
             if self.distributed:
                 sink = self._localized(sink)
                 self.mesh = mesh_of(model)
-            if self.weight_cast and isolation is None and recording is None:
+            if self.weight_cast and isolation is None and recording is None and port is not None:
+                port.weights(sink, WEIGHT_KIND)
+            elif self.weight_cast and isolation is None and recording is None:
                 for parameter_name, parameter in model.named_parameters():  # tied ones once
                     if parameter.is_floating_point():
                         sink(parameter_name, WEIGHT_KIND, dequantized(parameter))
@@ -244,7 +252,7 @@ class Runner:
                 recorder = contextlib.nullcontext()
             # Sharded parameters get their gradients after the reduce-scatter, outside autograd's accumulation:
             # under torch.distributed they are read once backward returned.
-            hooked_grads = not self.distributed
+            hooked_grads = not self.distributed and port is None
             with (
                 watch as trace,
                 recorder,
@@ -260,7 +268,10 @@ class Runner:
             ):
                 with torch.set_grad_enabled(backward), autocast:
                     try:
-                        output = model(*args, **kwargs)
+                        if port is not None and port.port.forward is not None:
+                            output = port.port.forward(model, call_inputs)
+                        else:
+                            output = model(*args, **kwargs)
                     except PrecisionError:
                         raise
                     except Exception as error:
@@ -287,7 +298,9 @@ class Runner:
                         raise
                     except Exception as error:
                         raise ModelRunError(self._failure(model, variant, error, "backward")) from error
-                    if not hooked_grads:
+                    if port is not None:
+                        port.gradients(sink)
+                    elif not hooked_grads:
                         # Every rank got this far (else its error ends the wait here), before the collectives.
                         distributed.exchange(None)
                         for parameter_name, parameter in model.named_parameters():
@@ -295,10 +308,30 @@ class Runner:
                                 sink(parameter_name, "grad", rank_average(parameter.grad))
             if trace is not None and (where := trace.origin()) is not None:
                 assert origin is not None
-                origin[variant.name] = where
+                origin[variant.name] = where if port is None else port.origin(where)
             info = self._info(model, variant, flags)
+            if port is not None:
+                info = dataclasses.replace(info, port=port.facts())
             del model, output, loss
         return info
+
+    def _port_model(self, variant: Variant) -> tuple[nn.Module, PortModel]:
+        """The other implementation `variant` runs, holding the reference's weights, built as the variant says."""
+        port = variant.port
+        assert port is not None
+        if self.distributed or isinstance(self.source, ShardedModel):
+            raise ConfigurationError(
+                f"variant {variant.name!r}: another implementation is compared on an unsharded model in one process; "
+                "compare the unsharded models"
+            )
+        if self.module_names is None:
+            raise ConfigurationError(f"variant {variant.name!r}: the reference runs the reference implementation")
+        other, built = build_port_model(self.source, port, self.device, self.module_names)
+        model = build_run_model(
+            lambda _dtype, _device: other, dataclasses.replace(variant, implementation=None), self.device
+        )
+        built.model = model
+        return model, built
 
     def _routers(self, model: nn.Module, variant: Variant) -> dict[str, Router]:
         """The routers of this run's model whose choices make routing rows (none under torch.distributed, where

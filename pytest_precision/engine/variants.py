@@ -20,6 +20,7 @@ from pytest_precision.engine.lowbit_formats import (
     quantize_spec,
     storage_format,
 )
+from pytest_precision.engine.port_spec import Port
 
 if TYPE_CHECKING:
     pass
@@ -86,6 +87,11 @@ class Variant:
         (Inductor, default mode, each selected block compiled on its own), a backend name, a dict of torch.compile's
         arguments (backend, mode, fullgraph, dynamic, options) and "scope" ("regional" or "whole"), or a
         CompileSpec (see pytest_precision.engine.compile_build).
+    implementation: run another implementation of the reference model instead of a copy of it: a
+        pytest_precision.Port (the other model, and how its modules and parameters map onto the reference's), or
+        the name of an installed one (see pytest_precision.engine.port_registry). The reference's weights are loaded
+        into it through the map and checked equal before anything runs; its rows are named by the reference's
+        modules (see docs/concepts/ports.md). Every other field applies to the other implementation.
     """
 
     name: str
@@ -107,6 +113,7 @@ class Variant:
     lowbit_filter: Callable[[Any, str], bool] | None = field(default=None, compare=False)
     replay_routing: bool | str = False
     compile: CompileSpec | bool | str | Mapping[str, Any] | None = None
+    implementation: Port | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.name, str):
@@ -135,6 +142,36 @@ class Variant:
         self._check_lowbit()
         self._check_replay()
         self._check_compile()
+        self._check_implementation()
+
+    def _check_implementation(self) -> None:
+        if self.implementation is None:
+            return
+        where = f"variant {self.name!r}"
+        if isinstance(self.implementation, str):
+            from pytest_precision.engine.port_registry import resolve_port
+
+            object.__setattr__(self, "implementation", resolve_port(self.implementation, where))
+        if not isinstance(self.implementation, Port):
+            raise ConfigurationError(
+                f"{where}: implementation must be a pytest_precision.Port or the name of an installed one, got "
+                f"{type(self.implementation).__name__}"
+            )
+        refused = [
+            what
+            for what, chosen in (
+                ("isolate", self.isolate),
+                ("an arrangement", self.arrangement is not None),
+                ("routing replay", bool(self.replay_routing)),
+                ("FSDP2 mixed precision", self.fsdp_knobs),
+            )
+            if chosen
+        ]
+        if refused:
+            raise ConfigurationError(
+                f"{where}: another implementation is measured in one full forward and backward of an unsharded model; "
+                f"{refused[0]} is not measured for a port yet: measure it on the reference implementation"
+            )
 
     def _check_compile(self) -> None:
         where = f"variant {self.name!r}"
@@ -228,6 +265,7 @@ class Variant:
                 self.weight_storage,
                 self.replay_routing,
                 self.compile,
+                None if self.port is None else self.port.label,
             )
         )
 
@@ -282,7 +320,13 @@ class Variant:
             **({"lowbit_filter": _qualified_name(self.lowbit_filter)} if self.lowbit_filter is not None else {}),
             **({"replay_routing": self.replay_routing} if self.replay_routing else {}),
             **({"compile": self.compile.to_dict()} if isinstance(self.compile, CompileSpec) else {}),
+            **({"implementation": self.port.label} if self.port is not None else {}),
         }
+
+    @property
+    def port(self) -> Port | None:
+        """The other implementation this variant runs (None: the reference implementation)."""
+        return self.implementation if isinstance(self.implementation, Port) else None
 
     @property
     def compiled(self) -> CompileSpec | None:
@@ -408,6 +452,11 @@ def resolve_variants(specs: object) -> list[Variant]:
 def resolve_reference(spec: str | Variant | Mapping[str, Any]) -> Variant:
     """The reference run: "fp32" (IEEE fp32 matmuls, TF32 off) by default, or "fp64"."""
     reference = resolve_variant(spec, argument="reference")
+    if reference.port is not None:
+        raise ConfigurationError(
+            f"reference: {reference.name!r} runs another implementation; the reference is the reference "
+            "implementation ('fp32' or 'fp64'): compare the other implementation as a variant"
+        )
     if reference.compile is not None:
         raise ConfigurationError(
             f"reference: {reference.name!r} is compiled; the reference runs eager ('fp32' or 'fp64'): compile the "

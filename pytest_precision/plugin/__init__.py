@@ -41,6 +41,7 @@ from pytest_precision.plugin.options import (  # noqa: E402
 )
 from pytest_precision.plugin.precision_fixture import PrecisionRunner  # noqa: E402
 from pytest_precision.plugin.session import (  # noqa: E402
+    ASSERTED_KEY,
     SESSION_KEY,
     TABLES_KEY,
     PrecisionSession,
@@ -430,6 +431,43 @@ def precision_device(request: pytest.FixtureRequest) -> str:
 def precision(request: pytest.FixtureRequest, precision_device: str) -> PrecisionRunner:
     """`precision.run(model, inputs, variants=[...], **compare_kwargs) -> PrecisionReport`."""
     return PrecisionRunner(request.node, precision_device, request.config.stash[SESSION_KEY])
+
+
+@pytest.fixture(name="assert_port_agrees")
+def assert_port_agrees_fixture(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """`assert_port_agrees(report, variant, *, limit=1e-4)`: fail this test unless the fp32 port variant agrees with
+    the reference implementation to rounding (pytest_precision.ports.assert_port_agrees); gates the test's runs."""
+    from pytest_precision.reports.ports import agreement_failure
+
+    item = request.node
+
+    def check(report: Any, variant: str, **kwargs: Any) -> None:
+        __tracebackhide__ = True
+        item.stash[ASSERTED_KEY] = True
+        failure = agreement_failure(report, variant, **kwargs)
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
+
+    return check
+
+
+@pytest.fixture(name="assert_port_within")
+def assert_port_within_fixture(request: pytest.FixtureRequest) -> Callable[..., None]:
+    """`assert_port_within(report, ours, theirs, *, factor=2.0, floor=1e-6)`: fail this test when the port's error is
+    above `factor` times the reference implementation's in a row (pytest_precision.ports.assert_port_within); gates
+    the test's runs."""
+    from pytest_precision.reports.ports import ratio_failure
+
+    item = request.node
+
+    def check(report: Any, ours: str, theirs: str, **kwargs: Any) -> None:
+        __tracebackhide__ = True
+        item.stash[ASSERTED_KEY] = True
+        failure = ratio_failure(report, ours, theirs, **kwargs)
+        if failure is not None:
+            pytest.fail(failure, pytrace=False)
+
+    return check
 
 
 @pytest.fixture(name="assert_precision_within")

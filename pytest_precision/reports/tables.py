@@ -371,6 +371,13 @@ def compiled_lines(report: PrecisionReport) -> list[str]:
     return lines
 
 
+def port_lines(report: PrecisionReport) -> list[str]:
+    """The port lines of the report (see reports.ports.port_lines)."""
+    from pytest_precision.reports import ports
+
+    return ports.port_lines(report)
+
+
 def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "rms_rel") -> str:
     """The summary tables, then (with `full`) each variant's per-tensor table."""
     reference = report.reference.variant.get("name", "fp32")
@@ -385,6 +392,7 @@ def format_report(report: PrecisionReport, *, full: bool = True, metric: str = "
     lines = [f"precision: {metric} against the {reference} reference on {where}, in execution order"]
     lines += lowbit_lines(report)
     lines += compiled_lines(report)
+    lines += port_lines(report)
     for kind in SUMMARY_KINDS:
         table = summary_table(report, kind, metric)
         if table:

@@ -1,0 +1,471 @@
+"""Build a port's run model (engine/port_spec.py): the other implementation, holding the reference's weights through
+the parameter map (checked equal before anything runs), and translate its captured tensors into the reference's rows.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pytest_precision.base.errors import ConfigurationError, ModelRunError
+from pytest_precision.engine.port_spec import (
+    Adapted,
+    Converted,
+    Fused,
+    Port,
+    Transposed,
+    filled,
+    matched,
+    modules_of,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from pytest_precision.engine.capture import Sink
+
+Tensors = dict[str, "torch.Tensor"]
+
+
+def _where(port: Port) -> str:
+    return f"implementation {port.label!r}"
+
+
+def reference_model(source: Any, device: torch.device) -> nn.Module:
+    """The reference implementation's fp32 model: the user's model itself (read only), or a factory's product."""
+    import torch
+    from torch import nn
+
+    if isinstance(source, nn.Module):
+        return source
+    if callable(source):
+        model = source(torch.float32, device)
+        if isinstance(model, nn.Module):
+            return model
+    raise ConfigurationError(
+        "a port variant compares another implementation against the reference's model: pass the model (or a factory "
+        "(dtype, device) -> nn.Module), unsharded, in one process"
+    )
+
+
+def _other_model(port: Port, reference: nn.Module, device: torch.device) -> nn.Module:
+    """The other implementation in fp32 on `device`: a copy of the given model, or the factory's product."""
+    from torch import nn
+
+    from pytest_precision.engine.model_build import cast_parameters
+
+    if isinstance(port.model, nn.Module):
+        model = copy.deepcopy(port.model)
+    elif callable(port.model):
+        try:
+            model = port.model(reference)
+        except (ConfigurationError, ModelRunError):
+            raise
+        except Exception as error:
+            raise ModelRunError(
+                f"{_where(port)}: its factory raised {type(error).__name__}: {error} (a port's factory is called as "
+                "factory(reference_model) and returns the other implementation)"
+            ) from error
+    else:
+        raise ConfigurationError(f"{_where(port)}: model must be an nn.Module or a factory (reference) -> nn.Module")
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(f"{_where(port)}: the factory returned {type(model).__name__}, not an nn.Module")
+    _check_own(model, reference, port)
+    model = model.to(device)
+    cast_parameters(model, "float32")
+    for parameter in model.parameters():
+        parameter.grad = None
+    return model
+
+
+#: The models port factories returned, held weakly: one returned twice would be loaded, cast and run by two runs.
+_PRODUCTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _check_own(model: nn.Module, reference: nn.Module, port: Port) -> None:
+    """Refuse a factory product that is not the run's own: the reference model (or one sharing its parameters), or a
+    model a factory returned before. The run loads weights into it and casts it: the caller's model would change."""
+    shared = {p.data_ptr() for p in reference.parameters()} & {p.data_ptr() for p in model.parameters()}
+    if model is reference or shared:
+        raise ConfigurationError(
+            f"{_where(port)}: the factory returned the reference model, or a model sharing its parameters; it must "
+            "build a new model of the other implementation (the run loads the reference's weights into it)"
+        )
+    if model in _PRODUCTS:
+        raise ConfigurationError(
+            f"{_where(port)}: the factory returned the same {type(model).__name__} object for two runs; build a new "
+            "model each call, or pass the model itself as Port(model=...), which each run copies"
+        )
+    _PRODUCTS.add(model)
+
+
+class ParameterMap:
+    """The parameter correspondence of a port, both ways, for one pair of models."""
+
+    def __init__(self, port: Port, reference_shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.port = port
+        self.shapes = reference_shapes
+
+    def to_reference(self, tensors: Tensors) -> Tensors:
+        """The other implementation's tensors (weights or gradients) by the reference's names, in its layouts."""
+        port = self.port
+        if port.parameters is None:
+            assert port.to_reference is not None
+            return _called(port.to_reference, tensors, port, "to_reference")
+        result: Tensors = {}
+        for name, tensor in tensors.items():
+            for text, target in port.parameters.items():
+                values = matched(text, name)
+                if values is None:
+                    continue
+                result.update(self._converted(target, values, tensor))
+                break
+            else:
+                raise ConfigurationError(
+                    f"{_where(port)}: parameter {name!r} of the other implementation matches no pattern of "
+                    "parameters=; map it to the reference's parameter it holds"
+                )
+        return result
+
+    def _converted(self, target: object, values: Mapping[str, str], tensor: torch.Tensor) -> Tensors:
+        if isinstance(target, str):
+            return {filled(target, values): tensor}
+        if isinstance(target, Transposed):
+            return {filled(target.name, values): tensor.transpose(0, 1)}
+        if isinstance(target, Converted):
+            return {filled(target.name, values): target.to_reference(tensor)}
+        assert isinstance(target, Fused)
+        names = [filled(n, values) for n in target.names]
+        missing = [n for n in names if n not in self.shapes]
+        if missing:
+            raise ConfigurationError(f"{_where(self.port)}: Fused names {', '.join(missing)}, not reference parameters")
+        sizes = [self.shapes[n][target.dim] for n in names]
+        import torch
+
+        return dict(zip(names, torch.split(tensor, sizes, dim=target.dim), strict=True))
+
+    def from_reference(self, tensors: Tensors, other_names: Sequence[str]) -> Tensors:
+        """The reference's weights as the other implementation's state dict (for load_state_dict)."""
+        port = self.port
+        if port.parameters is None:
+            assert port.from_reference is not None
+            return _called(port.from_reference, tensors, port, "from_reference")
+        import torch
+
+        result: Tensors = {}
+        for name in other_names:
+            for text, target in port.parameters.items():
+                values = matched(text, name)
+                if values is None:
+                    continue
+                if isinstance(target, Fused):
+                    parts = [_needed(tensors, filled(n, values), name, port) for n in target.names]
+                    result[name] = torch.cat(parts, dim=target.dim)
+                elif isinstance(target, str):
+                    result[name] = _needed(tensors, filled(target, values), name, port)
+                else:
+                    source = _needed(tensors, filled(target.name, values), name, port)  # type: ignore[union-attr]
+                    converted = source.transpose(0, 1) if isinstance(target, Transposed) else None
+                    result[name] = converted if converted is not None else target.from_reference(source)  # type: ignore[union-attr]
+                break
+            else:
+                raise ConfigurationError(
+                    f"{_where(port)}: parameter {name!r} of the other implementation matches no pattern of "
+                    "parameters=; map it to the reference's parameter it holds"
+                )
+        return result
+
+
+def _needed(tensors: Tensors, name: str, other: str, port: Port) -> torch.Tensor:
+    if name not in tensors:
+        raise ConfigurationError(
+            f"{_where(port)}: parameters= maps {other!r} to {name!r}, which the reference model does not have"
+        )
+    return tensors[name]
+
+
+def _called(function: Callable[[Tensors], Tensors], tensors: Tensors, port: Port, which: str) -> Tensors:
+    try:
+        result = function(dict(tensors))
+    except (ConfigurationError, ModelRunError):
+        raise
+    except Exception as error:
+        raise ModelRunError(f"{_where(port)}: {which} raised {type(error).__name__}: {error}") from error
+    if not isinstance(result, Mapping):
+        raise ConfigurationError(f"{_where(port)}: {which} returned {type(result).__name__}, not a state dict")
+    return dict(result)
+
+
+def _load(model: nn.Module, state: Tensors, port: Port) -> None:
+    """Load `state` into the other implementation's parameters, refusing any it leaves out or does not have."""
+    import torch
+
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    unknown = sorted(set(state) - set(parameters) - set(model.state_dict()))
+    if unknown:
+        raise ConfigurationError(
+            f"{_where(port)}: the converted weights name {', '.join(unknown[:6])}, which the other implementation "
+            "does not have; check the parameter map"
+        )
+    left = [name for name in parameters if name not in state]
+    if left:
+        raise ConfigurationError(
+            f"{_where(port)}: the parameter map gives no weight for {', '.join(left[:6])} of the other implementation; "
+            "map them to the reference's parameters"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = parameters.get(name)
+            if target is None:
+                continue
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ConfigurationError(
+                    f"{_where(port)}: the weight for {name!r} has shape {tuple(tensor.shape)}, the other "
+                    f"implementation's is {tuple(target.shape)}; check its entry in the parameter map"
+                )
+            target.copy_(tensor)
+
+
+def check_same_weights(reference: Tensors, converted: Tensors, port: Port, aliases: set[str] | None = None) -> int:
+    """Refuse two implementations holding different weights, naming the first reference parameter that differs (in
+    the reference's order); the number of parameters compared. `aliases`: every name of the reference's parameters
+    (tied ones under each of their names), which the map may also give."""
+    import torch
+
+    for name, weight in reference.items():
+        other = converted.get(name)
+        if other is None:
+            raise ConfigurationError(
+                f"{_where(port)}: the reference's parameter {name!r} has no counterpart in the other implementation "
+                "through the parameter map; map the parameter that holds it"
+            )
+        if tuple(other.shape) != tuple(weight.shape):
+            raise ConfigurationError(
+                f"{_where(port)}: parameter {name!r} has shape {tuple(other.shape)} in the other implementation "
+                f"(through the map), {tuple(weight.shape)} in the reference; check its entry in the parameter map"
+            )
+        same = torch.equal(other.detach().to(weight.device, weight.dtype), weight.detach())
+        if not same:
+            difference = (other.detach().double().to(weight.device) - weight.detach().double()).abs()
+            largest = float(difference.nan_to_num(nan=float("inf")).max())
+            raise ConfigurationError(
+                f"{_where(port)}: the two implementations hold different weights: parameter {name!r} differs "
+                f"(max |difference| {largest:.3g}); comparing two implementations with different weights measures "
+                "nothing: load the reference's weights (load_weights=True) or fix the parameter map"
+            )
+    extra = sorted(set(converted) - set(reference) - (aliases or set()))
+    if extra:
+        raise ConfigurationError(
+            f"{_where(port)}: the parameter map gives {', '.join(extra[:6])}, which the reference model does not have"
+        )
+    return len(reference)
+
+
+@dataclass
+class PortModel:
+    """A port's model built for one run, and how its captured tensors become the reference's rows."""
+
+    model: nn.Module
+    parameter_map: ParameterMap
+    #: The other implementation's module name -> the reference's modules its rows stand for (selected ones only).
+    rows: dict[str, tuple[Adapted, ...]]
+    unmapped_reference: list[str]
+    unmapped_other: list[str]
+    weights_checked: int
+    reference_order: list[str] = field(default_factory=list)
+    #: The reference's parameters that require grad: the only ones with "grad" rows.
+    reference_trainable: set[str] = field(default_factory=set)
+    #: Every module of the other implementation the map matched -> the reference module it stands for.
+    counterparts: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def captured(self) -> list[str]:
+        """The other implementation's modules to hook."""
+        return list(self.rows)
+
+    @property
+    def port(self) -> Port:
+        return self.parameter_map.port
+
+    def facts(self) -> dict[str, Any]:
+        """What the run's RunInfo records of the port."""
+        return {
+            **self.parameter_map.port.to_dict(),
+            "class": type(self.model).__name__,
+            "weights_checked": self.weights_checked,
+            "unmapped_reference": list(self.unmapped_reference),
+            "unmapped_implementation": list(self.unmapped_other),
+        }
+
+    def sink(self, sink: Sink) -> Sink:
+        """`sink` fed the reference's row names: fw and bw rows renamed through the module map and adapted."""
+
+        def translated(name: str, kind: str, tensor: torch.Tensor) -> None:
+            if kind not in ("fw", "bw"):
+                sink(name, kind, tensor)
+                return
+            base, hash_sign, call = name.partition("#")
+            targets = self.rows.get(base)
+            if targets is None:  # not a module's row: the logits' gradient
+                sink(name, kind, tensor)
+                return
+            if kind == "bw" and len(targets) > 1:
+                return  # a fused module's input gradient sums its parts': no reference row is it
+            for target in targets:
+                adapt = target.output if kind == "fw" else target.input
+                try:
+                    adapted = tensor if adapt is None else adapt(tensor)
+                except Exception as error:
+                    raise ModelRunError(
+                        f"{_where(self.parameter_map.port)}: the adapter of {base!r} -> {target.name!r} raised "
+                        f"{type(error).__name__}: {error} on its {kind} tensor of shape {tuple(tensor.shape)}"
+                    ) from error
+                sink(target.name + hash_sign + call, kind, adapted)
+
+        return translated
+
+    def gradients(self, sink: Sink) -> None:
+        """After backward: the other implementation's parameter gradients, converted to the reference's names and
+        layouts, streamed to `sink` as "grad" rows (in the reference's reverse parameter order, as backward fills
+        them)."""
+        grads = {n: p.grad for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None}
+        converted = self.parameter_map.to_reference(grads)
+        for name in reversed(self.reference_order):
+            if name in converted and name in self.reference_trainable:
+                sink(name, "grad", converted[name])
+
+    def origin(self, where: str) -> str:
+        """Where NaN/Inf first appeared ("name (fw)", a module of the other implementation), by the reference's
+        module name where the map has one, else by the other implementation's own, said so."""
+        name, _, kind = where.rpartition(" ")
+        base, hash_sign, call = name.partition("#")
+        counterpart = self.counterparts.get(base)
+        if counterpart is not None:
+            return f"{counterpart}{hash_sign}{call} {kind}"
+        if base not in dict(self.model.named_modules()):  # the model itself, named by its class
+            return f"the top-level forward of {self.port.label} {kind}"
+        return f"{name} {kind} (a module of {self.port.label}, mapped to none of the reference's)"
+
+    def weights(self, sink: Sink, kind: str) -> None:
+        """The other implementation's parameters, as the reference's, streamed to `sink` as `kind` rows."""
+        from pytest_precision.engine.lowbit_build import dequantized
+
+        held = {n: dequantized(p) for n, p in self.model.named_parameters() if p.is_floating_point()}
+        converted = self.parameter_map.to_reference(held)
+        for name in self.reference_order:
+            if name in converted:
+                sink(name, kind, converted[name])
+
+
+def _module_rows(
+    port: Port, other: nn.Module, selected: Sequence[str]
+) -> tuple[dict[str, tuple[Adapted, ...]], set[str], dict[str, str]]:
+    """Per module of the other implementation, the selected reference modules it stands for; every module of the
+    other implementation that any pattern matched; and per reference module, the other implementation's module
+    mapped to it."""
+    wanted = set(selected)
+    rows: dict[str, tuple[Adapted, ...]] = {}
+    sources: dict[str, str] = {}
+    used = dict.fromkeys(port.modules, False)
+    matched_modules: set[str] = set()
+    for name in modules_of(other):
+        for text, targets in port.module_targets.items():
+            values = matched(text, name)
+            if values is None:
+                continue
+            used[text] = True
+            matched_modules.add(name)
+            resolved = []
+            for target in targets:
+                reference_name = filled(target.name, values)
+                if reference_name in sources:
+                    raise ConfigurationError(
+                        f"{_where(port)}: modules {sources[reference_name]!r} and {name!r} both map to the reference's "
+                        f"{reference_name!r}; map one module to it"
+                    )
+                sources[reference_name] = name
+                if reference_name in wanted:
+                    resolved.append(Adapted(reference_name, target.output, target.input))
+            if resolved:
+                rows[name] = tuple(resolved)
+            break
+    unused = [text for text, hit in used.items() if not hit]
+    if unused:
+        sample = ", ".join(modules_of(other)[:8])
+        raise ConfigurationError(
+            f"{_where(port)}: module pattern(s) {', '.join(map(repr, unused))} match no module of "
+            f"{type(other).__name__} (its modules: {sample}, ...)"
+        )
+    return rows, matched_modules, sources
+
+
+def _mark_head(other: nn.Module, reference: nn.Module, sources: Mapping[str, str]) -> None:
+    """Give the other implementation (the run's own copy) the reference's `get_output_embeddings` through the module
+    map, when it has none: its output head is then what "<output head>" names in fp32_modules, kept in high precision
+    by the low-bit formats and returning fp32 logits when computed in fp32, as the reference's head is."""
+    if callable(getattr(other, "get_output_embeddings", None)):
+        return
+    getter = getattr(reference, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    name = next((n for n, m in reference.named_modules() if head is not None and m is head), None)
+    mapped = sources.get(name) if name is not None else None
+    if mapped is None:
+        return
+    module = dict(other.named_modules())[mapped]
+    object.__setattr__(other, "get_output_embeddings", lambda: module)
+
+
+def _unmapped_other(other: nn.Module, matched_modules: set[str]) -> list[str]:
+    """Modules of the other implementation holding parameters of their own that no mapped module contains."""
+    unmapped = []
+    for name, module in other.named_modules():
+        if not name or not any(p is not None for p in module._parameters.values()):
+            continue
+        if not any(name == m or name.startswith(m + ".") for m in matched_modules):
+            unmapped.append(name)
+    return unmapped
+
+
+def build_port_model(
+    source: Any,
+    port: Port,
+    device: torch.device,
+    selected: Sequence[str],
+) -> tuple[nn.Module, PortModel]:
+    """The other implementation in fp32 holding the reference's weights (checked equal through the map), and how its
+    tensors become the reference's rows. The caller casts and prepares it for the variant."""
+    reference = reference_model(source, device)
+    weights = {n: p.detach() for n, p in reference.named_parameters()}
+    all_names = {n: p.detach() for n, p in reference.named_parameters(remove_duplicate=False)}
+    shapes = {n: tuple(t.shape) for n, t in all_names.items()}
+    parameter_map = ParameterMap(port, shapes)
+    other = _other_model(port, reference, device)
+    if port.load_weights:
+        state = parameter_map.from_reference(
+            {n: t.float() for n, t in all_names.items()},
+            [n for n, _ in other.named_parameters(remove_duplicate=False)],
+        )
+        _load(other, state, port)
+    held = {n: p.detach() for n, p in other.named_parameters()}
+    converted = parameter_map.to_reference(held)
+    checked = check_same_weights({n: t.float() for n, t in weights.items()}, converted, port, aliases=set(all_names))
+    rows, matched_modules, sources = _module_rows(port, other, selected)
+    counterparts = {other_name: name for name, other_name in sources.items()}
+    _mark_head(other, reference, sources)
+    mapped = {t.name for targets in rows.values() for t in targets}
+    built = PortModel(
+        model=other,
+        parameter_map=parameter_map,
+        rows=rows,
+        unmapped_reference=[name for name in selected if name not in mapped],
+        unmapped_other=_unmapped_other(other, matched_modules),
+        weights_checked=checked,
+        reference_order=list(weights),
+        reference_trainable={n for n, p in reference.named_parameters() if p.requires_grad},
+        counterparts=counterparts,
+    )
+    return other, built

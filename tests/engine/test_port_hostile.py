@@ -1,0 +1,184 @@
+"""A port used as a hostile user would: NaN in the other implementation, frozen parameters, a factory handing back the
+reference model or one object twice, NaN in the weights, a converter that does not return a state dict."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from pytest_precision import ConfigurationError, ModelRunError, Variant, compare
+from pytest_precision.ports import Port, assert_port_within
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+class Renamed(nn.Module):
+    def __init__(self, poison: str = "") -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+        self.poison = poison
+        if poison == "b":  # NaN born in the output of the other implementation's "b"
+            self.b.register_forward_hook(lambda _module, _args, output: output / 0.0 * 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.a(x))
+        if self.poison == "top":  # NaN born in the top-level forward, between its modules
+            hidden = hidden / 0.0 * 0.0
+        return self.b(hidden)
+
+
+PARAMETERS = {"a.weight": "first.weight", "a.bias": "first.bias", "b.weight": "second.weight", "b.bias": "second.bias"}
+
+
+def port(model: object = None, **fields: object) -> Port:
+    return Port(
+        model=model if model is not None else (lambda reference: Renamed()),
+        modules={"a": "first", "b": "second"},
+        parameters=PARAMETERS,
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def loss(output: torch.Tensor, _inputs: object) -> torch.Tensor:
+    return output.pow(2).mean()
+
+
+@pytest.fixture
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def inputs() -> torch.Tensor:
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+
+def test_nan_in_the_other_implementation_is_placed_by_the_reference_module_name(net: Net) -> None:
+    in_module = port(lambda reference: Renamed(poison="b"), name="ours")
+    top = port(lambda reference: Renamed(poison="top"), name="ours")
+    variants = [Variant("nan", implementation=in_module), Variant("nan_top", implementation=top)]
+    report = compare(net, inputs(), variants=variants, loss_fn=loss)
+    assert report.nonfinite_origin["nan"] == "second (fw)"  # the port's "b", by the reference's name
+    assert report.get("nan", "second").nonfinite > 0
+    assert report.nonfinite_origin["nan_top"] == "the top-level forward of ours (fw)"
+
+
+def test_frozen_reference_parameters_get_no_grad_rows_from_the_port(net: Net) -> None:
+    net.first.weight.requires_grad_(False)
+    report = compare(net, inputs(), variants=[Variant("ours", implementation=port())], loss_fn=loss)
+    grads = {r.name for r in report.records("ours", "grad")}
+    assert grads == {"first.bias", "second.weight", "second.bias"}
+    assert report.missing["ours"] == []
+
+
+def test_a_factory_returning_the_reference_model_is_refused_and_the_model_is_unchanged(net: Net) -> None:
+    before = {name: tensor.clone() for name, tensor in net.state_dict().items()}
+    itself = Port(model=lambda reference: reference, modules={"first": "first"}, parameters={"{x}": "{x}"})
+    with pytest.raises(ConfigurationError, match=r"returned the reference model, or a model sharing its parameters"):
+        compare(net, inputs(), variants=[Variant("itself", implementation=itself)], loss_fn=loss)
+    assert all(torch.equal(before[n], t) for n, t in net.state_dict().items())
+    assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
+def test_a_factory_returning_one_object_twice_is_refused(net: Net) -> None:
+    shared = Renamed()
+    once = port(lambda reference: shared)
+    with pytest.raises(ConfigurationError, match=r"returned the same Renamed object for two runs"):
+        compare(
+            net,
+            inputs(),
+            variants=[Variant("one", implementation=once), Variant("two", implementation=once)],
+            loss_fn=loss,
+        )
+
+
+def test_a_port_given_as_a_model_is_copied_never_changed(net: Net) -> None:
+    given = Renamed()
+    before = {name: tensor.clone() for name, tensor in given.state_dict().items()}
+    compare(net, inputs(), variants=[Variant("ours_bf16", dtype="bf16", implementation=port(given))], loss_fn=loss)
+    assert all(torch.equal(before[n], t) for n, t in given.state_dict().items())  # the reference's weights not loaded
+    assert all(p.dtype == torch.float32 and p.grad is None for p in given.parameters())
+
+
+def test_nan_in_the_port_weights_is_refused_by_the_weights_check(net: Net) -> None:
+    given = Renamed()
+    given.load_state_dict({k: net.state_dict()[v] for k, v in PARAMETERS.items()})
+    with torch.no_grad():
+        given.b.weight[0, 0] = math.nan
+    with pytest.raises(ConfigurationError, match=r"parameter 'second\.weight' differs \(max \|difference\| inf\)"):
+        compare(
+            net,
+            inputs(),
+            variants=[Variant("nan_weights", implementation=port(given, load_weights=False))],
+            loss_fn=loss,
+        )
+
+
+def test_a_converter_returning_no_state_dict_is_named(net: Net) -> None:
+    broken = Port(
+        model=lambda reference: Renamed(), modules={"a": "first"}, to_reference=lambda state: None, load_weights=False
+    )
+    with pytest.raises(ConfigurationError, match=r"to_reference returned NoneType, not a state dict"):
+        compare(net, inputs(), variants=[Variant("broken", implementation=broken)], loss_fn=loss)
+    raising = Port(
+        model=lambda reference: Renamed(),
+        modules={"a": "first"},
+        to_reference=lambda state: state["nope"],
+        load_weights=False,
+    )
+    with pytest.raises(ModelRunError, match=r"to_reference raised KeyError: 'nope'"):
+        compare(net, inputs(), variants=[Variant("raising", implementation=raising)], loss_fn=loss)
+
+
+def test_nan_everywhere_in_the_ratio_gate(net: Net) -> None:
+    report = compare(
+        net,
+        inputs(),
+        variants=["bf16", Variant("nan", dtype="bf16", implementation=port(lambda reference: Renamed(poison="b")))],
+        loss_fn=loss,
+    )
+    with pytest.raises(AssertionError, match=r"port ratio nan vs bf16: second \(fw\) has rms_rel .* inf"):
+        assert_port_within(report, "nan", "bf16", factor=1e9)
+
+
+def test_a_port_combines_with_compilation_a_low_bit_format_and_weight_rows(net: Net) -> None:
+    variants = [
+        Variant("ours_compiled", implementation=port(), compile="eager"),
+        Variant("ours_fp8", dtype="bf16", implementation=port(), weight_storage="float8_e4m3fn"),
+    ]
+    report = compare(net, inputs(), variants=variants, loss_fn=loss, weight_cast=True)
+    compiled = report.runs["ours_compiled"].compiled
+    assert compiled is not None and sorted(compiled["regions"]) == ["a", "b"]  # the other implementation's modules
+    assert all(r.rms_rel is not None and r.rms_rel < 1e-6 for r in report.records("ours_compiled"))
+    lowbit = report.runs["ours_fp8"].lowbit
+    assert lowbit is not None and lowbit["modules"] == 2
+    weights = {r.name: r.rms_rel for r in report.records("ours_fp8", "weight_cast")}
+    assert set(weights) == set(PARAMETERS.values())
+    assert weights["first.weight"] is not None and weights["first.weight"] > 1e-2  # fp8's rounding, not bf16's
+
+
+def test_a_saved_reference_measures_a_port_as_the_live_one(net: Net, tmp_path: object) -> None:
+    from pathlib import Path
+
+    from pytest_precision import Reference, reference
+
+    ref = reference(net, inputs(), loss_fn=loss)
+    live = compare(ref, variants=[Variant("ours_bf16", dtype="bf16", implementation=port())])
+    ref.save(Path(str(tmp_path)) / "ref")
+    loaded = Reference.load(Path(str(tmp_path)) / "ref", model=net, loss_fn=loss)
+    again = compare(loaded, variants=[Variant("ours_bf16", dtype="bf16", implementation=port())])
+    assert [(r.name, r.kind, r.rms_rel) for r in again.records("ours_bf16")] == [
+        (r.name, r.kind, r.rms_rel) for r in live.records("ours_bf16")
+    ]
