@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pytest_precision.engine.capture import Sink
+    from pytest_precision.engine.variants import Variant
 
 Tensors = dict[str, "torch.Tensor"]
 
@@ -469,3 +470,23 @@ def build_port_model(
         counterparts=counterparts,
     )
     return other, built
+
+
+def build_port_run_model(
+    source: Any, variant: Variant, device: torch.device, selected: Sequence[str] | None
+) -> tuple[nn.Module, PortModel]:
+    """The model a port variant's run uses: the other implementation holding the reference's weights (checked equal),
+    then cast and prepared as the variant says (model_build.build_run_model), and how its tensors become the
+    reference's rows. `selected`: the reference's module selection (None: the reference has not run)."""
+    import dataclasses
+
+    from pytest_precision.engine.model_build import build_run_model
+
+    port = variant.port
+    assert port is not None
+    if selected is None:
+        raise ConfigurationError(f"variant {variant.name!r}: the reference runs the reference implementation")
+    other, built = build_port_model(source, port, device, selected)
+    model = build_run_model(lambda _dtype, _device: other, dataclasses.replace(variant, implementation=None), device)
+    built.model = model
+    return model, built

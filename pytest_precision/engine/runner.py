@@ -52,7 +52,7 @@ from pytest_precision.engine.model_facts import (
     parameter_categories,
     rank_average,
 )
-from pytest_precision.engine.port_build import PortModel, build_port_model
+from pytest_precision.engine.port_build import PortModel, build_port_run_model
 from pytest_precision.engine.positions import Positions, batch_positions, select_positions
 from pytest_precision.engine.progress import Phase, RunProgress
 from pytest_precision.engine.routers import ROUTING_KIND, Router, Routers, checked_routers, find_routers
@@ -203,7 +203,12 @@ class Runner:
             self.phase("build")
             port: PortModel | None = None
             if variant.port is not None:
-                model, port = self._port_model(variant)
+                if self.distributed or isinstance(self.source, ShardedModel):
+                    raise ConfigurationError(
+                        f"variant {variant.name!r}: another implementation is compared on an unsharded model in one "
+                        "process; compare the unsharded models"
+                    )
+                model, port = build_port_run_model(self.source, variant, self.device, self.module_names)
                 sink = port.sink(sink)
             else:
                 model = build_run_model(self.source, variant, self.device, self.products)
@@ -314,24 +319,6 @@ class Runner:
                 info = dataclasses.replace(info, port=port.facts())
             del model, output, loss
         return info
-
-    def _port_model(self, variant: Variant) -> tuple[nn.Module, PortModel]:
-        """The other implementation `variant` runs, holding the reference's weights, built as the variant says."""
-        port = variant.port
-        assert port is not None
-        if self.distributed or isinstance(self.source, ShardedModel):
-            raise ConfigurationError(
-                f"variant {variant.name!r}: another implementation is compared on an unsharded model in one process; "
-                "compare the unsharded models"
-            )
-        if self.module_names is None:
-            raise ConfigurationError(f"variant {variant.name!r}: the reference runs the reference implementation")
-        other, built = build_port_model(self.source, port, self.device, self.module_names)
-        model = build_run_model(
-            lambda _dtype, _device: other, dataclasses.replace(variant, implementation=None), self.device
-        )
-        built.model = model
-        return model, built
 
     def _routers(self, model: nn.Module, variant: Variant) -> dict[str, Router]:
         """The routers of this run's model whose choices make routing rows (none under torch.distributed, where
@@ -557,13 +544,19 @@ class Runner:
     def _failure(self, model: nn.Module, variant: Variant, error: Exception, phase: str) -> str:
         """What went wrong in a run: the inputs' keys are blamed only for a TypeError about arguments."""
         name = type(model).__name__
+        port = ""
+        if phase == "forward" and variant.port is not None:
+            port = (
+                f"; the other implementation ({variant.port.label}) is called as the reference is unless its Port "
+                "says forward=... (pytest_precision.ports.causal_lm_forward for a model returning logits)"
+            )
         if phase == "forward" and isinstance(error, TypeError) and _ARGUMENT_ERROR.search(str(error)):
             return (
                 f"run {variant.name!r}: {name} rejected the inputs {self.batch.shapes()}: {type(error).__name__}: "
                 f"{error} (check that the inputs' keys match forward()'s arguments, and their shapes, dtypes and "
-                "token ids what it expects)"
+                f"token ids what it expects){port}"
             )
-        hint = ""
+        hint = port
         if phase == "forward" and isinstance(error, IndexError):
             hint = "; an index out of range: are the token ids below the model's vocabulary size?"
         return (

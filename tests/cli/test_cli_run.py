@@ -670,7 +670,7 @@ def test_an_unknown_variant_points_to_the_variants_file(tmp_path: Path) -> None:
     assert result.error.endswith(
         "; or describe your own in a --variants-file FILE (JSON or TOML; fields name, dtype, autocast, "
         "fp32_modules, matmul_precision, backend, attn_implementation, arrangement, fp8_training, quantize, "
-        "weight_storage, replay_routing, compile)"
+        "weight_storage, replay_routing, compile, implementation)"
     )
     assert "pytest_precision.Variant" not in result.error
     sharded = run(TINY_LLAMA_DIR, "--variants", "bf16,fsdp_bf16", "--length", "8")

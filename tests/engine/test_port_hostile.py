@@ -182,3 +182,47 @@ def test_a_saved_reference_measures_a_port_as_the_live_one(net: Net, tmp_path: o
     assert [(r.name, r.kind, r.rms_rel) for r in again.records("ours_bf16")] == [
         (r.name, r.kind, r.rms_rel) for r in live.records("ours_bf16")
     ]
+
+
+def test_a_port_called_with_inputs_it_does_not_take_says_how_to_call_it() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    tokens = Port(  # a model of bare token ids, given the reference's keyword arguments
+        model=lambda reference: TokensOnly(reference),
+        modules={"inner": "model"},
+        to_reference=lambda state: {
+            k.replace("inner.", "model.").replace("head.", "lm_head."): v for k, v in state.items()
+        },
+        from_reference=lambda state: {
+            k.replace("lm_head.", "head.").replace("model.", "inner."): v for k, v in state.items()
+        },
+    )
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.raises(
+        ModelRunError, match=r"rejected the inputs .* is called as the reference is unless its Port says forward=\.\.\."
+    ):
+        compare(model, {"input_ids": ids, "labels": ids}, variants=[Variant("tokens", implementation=tokens)])
+
+
+class TokensOnly(nn.Module):
+    def __init__(self, reference: nn.Module) -> None:
+        super().__init__()
+        import copy
+
+        self.inner = copy.deepcopy(reference.model)
+        self.head = copy.deepcopy(reference.lm_head)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(tokens).last_hidden_state)
