@@ -43,11 +43,10 @@ PARAMETERS = {"a.weight": "first.weight", "a.bias": "first.bias", "b.weight": "s
 
 
 def port(model: object = None, **fields: object) -> Port:
-    return Port(
+    return Port(  # type: ignore[misc]
         model=model if model is not None else (lambda reference: Renamed()),
         modules={"a": "first", "b": "second"},
-        parameters=PARAMETERS,
-        **fields,  # type: ignore[arg-type]
+        **{"parameters": PARAMETERS, **fields},  # type: ignore[arg-type]
     )
 
 
@@ -226,3 +225,60 @@ class TokensOnly(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.inner(tokens).last_hidden_state)
+
+
+def test_the_ratio_of_rows_whose_other_side_is_undefined_or_not_finite(net: Net) -> None:
+    import dataclasses
+
+    from pytest_precision.ports import ratio_rows, side_by_side
+
+    report = compare(
+        net, inputs(), variants=["bf16", Variant("ours", dtype="bf16", implementation=port())], loss_fn=loss
+    )
+    ours, theirs = report.get("ours", "second"), report.get("bf16", "second")
+    assert ours.rms_rel is not None and ours.rms_rel > 0
+
+    def ratio_with(theirs_row: object) -> float:
+        rows = report._records["bf16"]
+        index = rows.index(theirs)
+        rows[index] = theirs_row  # type: ignore[call-overload]
+        try:
+            return next(r.ratio for r in ratio_rows(report, "ours", "bf16", floor=1e-3) if r.name == "second")
+        finally:
+            rows[index] = theirs
+
+    assert ratio_with(theirs) == pytest.approx(ours.rms_rel / theirs.rms_rel)
+    assert ratio_with(dataclasses.replace(theirs, rms_rel=None)) == pytest.approx(ours.rms_rel / 1e-3)  # the floor
+    assert ratio_with(dataclasses.replace(theirs, rms_rel=math.inf)) == 0.0  # theirs infinitely wrong, ours finite
+    assert ratio_with(dataclasses.replace(theirs, rms_rel=math.nan, nonfinite=3)) == 0.0
+    table = side_by_side(report, "ours", "bf16")
+    assert table[0].split() == ["ours", "vs", "bf16", "ours", "rms_rel", "bf16", "rms_rel", "ratio"]
+    assert any(line.split()[:2] == ["second", "(fw)"] for line in table)
+
+
+def test_the_port_check_line_is_only_for_plain_fp32_ports(net: Net) -> None:
+    variants = [
+        Variant("ours_fp32", implementation=port()),
+        Variant("ours_fp8_storage", implementation=port(), weight_storage="float8_e4m3fn"),
+    ]
+    text = compare(net, inputs(), variants=variants, loss_fn=loss).format(full=False)
+    assert "port check ours_fp32 (port against the reference implementation, fp32): agrees to rounding" in text
+    assert "port check ours_fp8_storage" not in text
+
+
+def test_a_state_dict_converter_leaving_a_weight_out_is_named(net: Net) -> None:
+    dropping = Port(
+        model=lambda reference: Renamed(),
+        modules={"a": "first"},
+        to_reference=lambda state: {k.replace("a.", "first.").replace("b.", "second."): v for k, v in state.items()},
+        from_reference=lambda state: {
+            k.replace("first.", "a.").replace("second.", "b."): v for k, v in state.items() if k != "second.bias"
+        },
+    )
+    with pytest.raises(ConfigurationError, match=r"the parameter map gives no weight for b\.bias of the other"):
+        compare(net, inputs(), variants=[Variant("dropping", implementation=dropping)], loss_fn=loss)
+    renamed = dict(PARAMETERS, **{"b.bias": "second.offset"})
+    with pytest.raises(
+        ConfigurationError, match=r"parameters= maps 'b\.bias' to 'second\.offset', which the reference"
+    ):
+        compare(net, inputs(), variants=[Variant("wrong", implementation=port(parameters=renamed))], loss_fn=loss)
