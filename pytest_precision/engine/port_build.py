@@ -90,7 +90,11 @@ _PRODUCTS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 def _check_own(model: nn.Module, reference: nn.Module, port: Port) -> None:
     """Refuse a factory product that is not the run's own: the reference model (or one sharing its parameters), or a
     model a factory returned before. The run loads weights into it and casts it: the caller's model would change."""
-    shared = {p.data_ptr() for p in reference.parameters()} & {p.data_ptr() for p in model.parameters()}
+
+    def storages(module: nn.Module) -> set[int]:
+        return {p.data_ptr() for p in module.parameters() if p.numel()}
+
+    shared = storages(reference) & storages(model)
     if model is reference or shared:
         raise ConfigurationError(
             f"{_where(port)}: the factory returned the reference model, or a model sharing its parameters; it must "
@@ -446,8 +450,9 @@ def build_port_model(
     parameter_map = ParameterMap(port, shapes)
     other = _other_model(port, reference, device)
     if port.load_weights:
+        # Copies: a converter may work in place, and these are the caller's model's own tensors.
         state = parameter_map.from_reference(
-            {n: t.float() for n, t in all_names.items()},
+            {n: t.float().clone() for n, t in all_names.items()},
             [n for n, _ in other.named_parameters(remove_duplicate=False)],
         )
         _load(other, state, port)
