@@ -204,7 +204,7 @@ def compare(
     offload: keep the reference's tensors on the host (see pytest_precision.reference).
     isolate: True measures every variant's isolated error too (as Variant(isolate=True) does for one):
         each selected module runs on the reference's input for that module and its backward on the
-        reference's gradient at its output (arrangement, whole-graph compiled and port variants excepted); the
+        reference's gradient at its output (arrangement and whole-graph compiled variants excepted); the
         rows fw_isolated, bw_isolated and grad_isolated then hold the error each module adds itself (see
         pytest_precision.engine.isolated for the rules).
     cache: a ReferenceCache to reuse (and keep) the reference run of the same model object with the same
@@ -275,10 +275,10 @@ def compare(
             raise ConfigurationError(f"isolate must be True or False, got {isolate!r}")
         if isolate:
             # Arrangements compare another way of running the same tokens, forward only: not isolated.
-            # A whole-graph compiled variant has no boundary to isolate at either, and a port is not isolated yet.
+            # A whole-graph compiled variant has no boundary to isolate at either.
             variant_list = [
                 v
-                if v.arrangement or (v.compiled and v.compiled.scope == "whole") or v.port is not None
+                if v.arrangement or (v.compiled and v.compiled.scope == "whole")
                 else dataclasses.replace(v, isolate=True)
                 for v in variant_list
             ]

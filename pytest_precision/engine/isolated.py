@@ -36,6 +36,11 @@ SUFFIX = "_isolated"
 ISOLATED_KINDS = ("fw" + SUFFIX, "bw" + SUFFIX, "grad" + SUFFIX)
 #: Where a module's primary input sits: ("arg", position) or ("kwarg", name).
 Slot = tuple[str, Any]
+#: Another implementation's boundary module (engine/port_build.py): the reference's module it stands for, and the
+#: layouts back from the reference's for its input and for the gradient at its output (None: the same layout).
+Counterpart = tuple[
+    str, "Callable[[torch.Tensor], torch.Tensor] | None", "Callable[[torch.Tensor], torch.Tensor] | None"
+]
 
 
 def isolated_kind(kind: str) -> str:
@@ -178,16 +183,23 @@ def record(model: nn.Module, boundary_names: Sequence[str], *, backward: bool, i
 class IsolatedRun:
     """A variant's run with every boundary module fed the reference's input (see `isolate`)."""
 
-    def __init__(self, recorded: Recorded, scale: float, variant: str) -> None:
+    def __init__(
+        self, recorded: Recorded, scale: float, variant: str, counterparts: dict[str, Counterpart] | None = None
+    ) -> None:
         self.recorded = recorded
         self.scale = scale
         self.variant = variant
-        self.outputs: list[tuple[str, torch.Tensor]] = []
+        self.outputs: list[tuple[str, torch.Tensor, Callable[[torch.Tensor], torch.Tensor] | None]] = []
         self.calls = _Calls()
         self.current: dict[str, str] = {}
+        #: Another implementation's boundary modules by their own names (None: the reference's model).
+        self.counterparts = counterparts
+
+    def _reference_name(self, name: str) -> str:
+        return name if self.counterparts is None else self.counterparts[name][0]
 
     def before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-        label = self.current[name] = self.calls.next(name)
+        label = self.current[name] = self.calls.next(self._reference_name(name))
         if label not in self.recorded.calls:
             raise ModelRunError(
                 f"isolated run {self.variant!r}: module {label!r} was called more often than in the reference "
@@ -209,6 +221,9 @@ class IsolatedRun:
         if found is not None and kept is not None:
             (kind, where), actual = found
             reference = kept[1]
+            back = None if self.counterparts is None else self.counterparts[name][1]
+            if back is not None:
+                reference = back(reference)
             if tuple(reference.shape) != tuple(actual.shape):
                 raise ModelRunError(
                     f"isolated run {self.variant!r}: module {label!r}'s input has shape {tuple(actual.shape)}, "
@@ -225,17 +240,20 @@ class IsolatedRun:
     def after(self, name: str, output: Any) -> None:
         tensor = first_floating_tensor(output)
         if tensor is not None and tensor.requires_grad:
-            self.outputs.append((self.current[name], tensor))
+            back = None if self.counterparts is None else self.counterparts[name][2]
+            self.outputs.append((self.current[name], tensor, back))
 
     def backward(self) -> None:
         """Each boundary module's backward from the reference's gradient at its output (times the scale)."""
         import torch
 
         roots, gradients = [], []
-        for label, output in self.outputs:
+        for label, output, back in self.outputs:
             gradient = self.recorded.output_grads.get(label)
             if gradient is None:
                 continue  # the reference's loss did not depend on this output
+            if back is not None:
+                gradient = back(gradient)
             if self.scale != 1:
                 gradient = gradient.to(torch.float64) * self.scale
             roots.append(output)
@@ -263,10 +281,18 @@ def _detached(value: Any) -> Any:
 
 @contextlib.contextmanager
 def isolate(
-    model: nn.Module, boundary_names: Sequence[str], recorded: Recorded, *, scale: float, variant: str
+    model: nn.Module,
+    boundary_names: Sequence[str],
+    recorded: Recorded,
+    *,
+    scale: float,
+    variant: str,
+    counterparts: dict[str, Counterpart] | None = None,
 ) -> Iterator[IsolatedRun]:
-    """Feed each boundary module of `model` the reference's input; `run.backward()` drives the backward."""
-    run = IsolatedRun(recorded, scale, variant)
+    """Feed each boundary module of `model` the reference's input; `run.backward()` drives the backward. With
+    `counterparts` (another implementation's boundary modules by name: see Counterpart), `boundary_names` are its
+    own modules, each fed its reference module's recorded input in its own layout."""
+    run = IsolatedRun(recorded, scale, variant, counterparts)
     with _hooked(model, boundary_names, run.before, run.after):
         yield run
 

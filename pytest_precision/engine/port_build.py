@@ -20,6 +20,7 @@ from pytest_precision.engine.port_spec import (
     filled,
     matched,
     modules_of,
+    way_back,
 )
 
 if TYPE_CHECKING:
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from pytest_precision.engine.capture import Sink
+    from pytest_precision.engine.isolated import Counterpart
     from pytest_precision.engine.variants import Variant
 
 Tensors = dict[str, "torch.Tensor"]
@@ -333,11 +335,49 @@ class PortModel:
 
         return translated
 
-    def gradients(self, sink: Sink) -> None:
-        """After backward: the other implementation's parameter gradients, converted to the reference's names and
-        layouts, streamed to `sink` as "grad" rows (in the reference's reverse parameter order, as backward fills
-        them)."""
-        grads = {n: p.grad for n, p in self.model.named_parameters() if p.requires_grad and p.grad is not None}
+    def isolation_boundaries(self, boundaries: Sequence[str]) -> dict[str, Counterpart]:
+        """The other implementation's modules standing for the reference's isolation boundaries, each with the way
+        back from the reference's layouts (isolated.Counterpart). A boundary without a counterpart is left out (it
+        has no rows: the report lists it unmapped); one standing in a fused module, or whose adapter only goes one
+        way, is a ConfigurationError naming it."""
+        where = f"isolate=True with {_where(self.port)}"
+        found: dict[str, Counterpart] = {}
+        for boundary in boundaries:
+            other = next((o for o, reference in self.counterparts.items() if reference == boundary), None)
+            targets = self.rows.get(other, ()) if other is not None else ()
+            if other is None or not targets:
+                continue
+            if len(targets) > 1:
+                raise ConfigurationError(
+                    f"{where}: {other!r} stands for {len(targets)} reference modules (a fused module); its input is "
+                    f"not {boundary!r}'s alone: select modules around it"
+                )
+            target = targets[0]
+            (input_ok, input_back), (output_ok, output_back) = way_back(target.input), way_back(target.output)
+            if not (input_ok and output_ok):
+                raise ConfigurationError(
+                    f"{where}: the adapter of {other!r} -> {boundary!r} goes one way; give a "
+                    "pytest_precision.ports.Layout(to_reference, from_reference) so that its module can be fed the "
+                    "reference's input and gradient"
+                )
+            found[other] = (boundary, input_back, output_back)
+        return found
+
+    def owned(self, boundaries: Sequence[str]) -> set[str]:
+        """The other implementation's parameters used only inside its boundary modules (isolated.owned_parameters)."""
+        from pytest_precision.engine.isolated import owned_parameters
+
+        return owned_parameters(self.model, boundaries)
+
+    def gradients(self, sink: Sink, only: set[str] | None = None) -> None:
+        """After backward: the other implementation's parameter gradients (of `only` when given), converted to the
+        reference's names and layouts, streamed to `sink` as "grad" rows (in the reference's reverse parameter order,
+        as backward fills them)."""
+        grads = {
+            n: p.grad
+            for n, p in self.model.named_parameters()
+            if p.requires_grad and p.grad is not None and (only is None or n in only)
+        }
         converted = self.parameter_map.to_reference(grads)
         for name in reversed(self.reference_order):
             if name in converted and name in self.reference_trainable:

@@ -74,9 +74,37 @@ ModuleTarget = str | Adapted
 ParameterTarget = str | Transposed | Fused | Converted
 
 
-def seq_first(tensor: torch.Tensor) -> torch.Tensor:
-    """Adapter for a ``[seq, batch, ...]`` tensor (Megatron-style layouts) against ``[batch, seq, ...]``."""
+@dataclass(frozen=True)
+class Layout:
+    """An adapter both ways: `to_reference` (the other implementation's layout -> the reference's; what an adapter
+    does) and `from_reference` (back). Calling it is `to_reference`. Isolated runs (isolate=True) need the way back,
+    to feed a module the reference's input and drive its backward from the reference's gradient."""
+
+    to_reference: Adapter = field(compare=False)
+    from_reference: Adapter = field(compare=False)
+    name: str = ""
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.to_reference(tensor)
+
+
+def _transposed_01(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.transpose(0, 1)
+
+
+#: The adapter for a ``[seq, batch, ...]`` tensor (Megatron-style layouts) against ``[batch, seq, ...]``, both ways.
+seq_first = Layout(_transposed_01, _transposed_01, "seq_first")
+
+
+def way_back(adapter: Adapter | None) -> tuple[bool, Adapter | None]:
+    """Whether an adapter goes both ways, and its way back (the reference's layout -> the other implementation's):
+    (True, None) without an adapter (the layouts are the same), (True, from_reference) for a Layout, (False, None)
+    for a one-way adapter (a plain function)."""
+    if adapter is None:
+        return True, None
+    if isinstance(adapter, Layout):
+        return True, adapter.from_reference
+    return False, None
 
 
 @dataclass(frozen=True)

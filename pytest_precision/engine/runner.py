@@ -202,6 +202,7 @@ class Runner:
         with ambient_modes_off(self.device), pinned_backend(variant, self.device.type) as flags:
             self.phase("build")
             port: PortModel | None = None
+            unported_sink = sink
             if variant.port is not None:
                 if self.distributed or isinstance(self.source, ShardedModel):
                     raise ConfigurationError(
@@ -245,7 +246,7 @@ class Runner:
             self.phase("forward")
             if isolation is not None:
                 return self._run_isolated(
-                    model, variant, sink, loss_scale, isolation, (args, kwargs), flags, routers, replay
+                    model, variant, unported_sink, loss_scale, isolation, (args, kwargs), flags, routers, replay, port
                 )
             if variant.arrangement is not None:
                 return self._run_arranged(model, variant, sink, call_inputs, flags, origin, routers)
@@ -441,28 +442,48 @@ class Runner:
         flags: Any,
         routers: Mapping[str, Router] | None = None,
         replay: Mapping[str, torch.Tensor] | None = None,
+        port: PortModel | None = None,
     ) -> RunInfo:
-        """The isolated run of `variant` (see isolated.py), its rows streamed to `sink` as isolated kinds."""
+        """The isolated run of `variant` (see isolated.py), its rows streamed to `sink` as isolated kinds. With
+        `port`, the other implementation's modules standing for the reference's boundaries are fed the reference's
+        inputs in their own layouts, and its rows are the reference's (port_build.PortModel)."""
         import torch
 
         assert self.module_names is not None
         boundary_names = isolated.boundaries(self.module_names)
+        counterparts = None if port is None else port.isolation_boundaries(boundary_names)
+        if counterparts is not None:
+            boundary_names = list(counterparts)
         owned = isolated.owned_parameters(model, boundary_names)
 
         def isolated_sink(name: str, kind: str, tensor: torch.Tensor) -> None:
-            if kind in ("fw", "bw", ROUTING_KIND) or (kind == "grad" and name in owned):
+            if kind in ("fw", "bw", ROUTING_KIND) or (kind == "grad" and port is None and name in owned):
                 sink(name, isolated.isolated_kind(kind), tensor)
 
         args, kwargs = call
         autocast = self._autocast(variant)
         backward = self.backward and not variant.forward_only
+        hooked = self.module_names if port is None else port.captured
         with (
-            isolated.isolate(model, boundary_names, recorded, scale=loss_scale, variant=variant.name) as run,
-            capture(model, self.module_names, isolated_sink, backward=backward, routers=routers, replay=replay),
+            isolated.isolate(
+                model, boundary_names, recorded, scale=loss_scale, variant=variant.name, counterparts=counterparts
+            ) as run,
+            capture(
+                model,
+                hooked,
+                isolated_sink if port is None else port.sink(isolated_sink),
+                backward=backward,
+                parameter_grads=port is None,
+                routers=routers,
+                replay=replay,
+            ),
         ):
             with torch.set_grad_enabled(backward), autocast:
                 try:
-                    model(*args, **kwargs)
+                    if port is not None and port.port.forward is not None:
+                        port.port.forward(model, kwargs if not args else (args[0] if len(args) == 1 else args))
+                    else:
+                        model(*args, **kwargs)
                 except PrecisionError:
                     raise
                 except Exception as error:
@@ -472,7 +493,13 @@ class Runner:
                     run.backward()
                 except Exception as error:
                     raise ModelRunError(self._failure(model, variant, error, "isolated backward")) from error
+                if port is not None:
+                    port.gradients(
+                        lambda name, kind, tensor: sink(name, isolated.isolated_kind(kind), tensor), only=owned
+                    )
         info = self._info(model, variant, flags)
+        if port is not None:
+            info = dataclasses.replace(info, port=port.facts())
         del model
         return info
 

@@ -160,7 +160,6 @@ class Variant:
         refused = [
             what
             for what, chosen in (
-                ("isolate", self.isolate),
                 ("an arrangement", self.arrangement is not None),
                 ("routing replay", bool(self.replay_routing)),
                 ("FSDP2 mixed precision", self.fsdp_knobs),

@@ -10,7 +10,7 @@ torchtune's Llama against transformers' LlamaForCausalLM. `assert_port_agrees` (
 
 from __future__ import annotations
 
-from pytest_precision.engine.port_spec import Adapted, Converted, Fused, Port, Transposed, seq_first
+from pytest_precision.engine.port_spec import Adapted, Converted, Fused, Layout, Port, Transposed, seq_first
 from pytest_precision.ports.assertions import assert_port_agrees, assert_port_within
 from pytest_precision.ports.causal_lm import causal_lm_forward, causal_lm_loss
 from pytest_precision.ports.torchtune_llama import torchtune_llama
@@ -28,6 +28,7 @@ __all__ = [
     "Adapted",
     "Converted",
     "Fused",
+    "Layout",
     "Port",
     "PortVerdict",
     "RatioRow",

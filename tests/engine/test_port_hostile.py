@@ -282,3 +282,64 @@ def test_a_state_dict_converter_leaving_a_weight_out_is_named(net: Net) -> None:
         ConfigurationError, match=r"parameters= maps 'b\.bias' to 'second\.offset', which the reference"
     ):
         compare(net, inputs(), variants=[Variant("wrong", implementation=port(parameters=renamed))], loss_fn=loss)
+
+
+class SeqFirst(nn.Module):
+    """Net in [seq, batch, hidden] between its layers: a port whose layer rows need a layout adapter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.a(x.transpose(0, 1)))  # [seq, batch, 8]
+        return self.b(hidden).transpose(0, 1)
+
+
+def test_isolated_rows_of_a_port_feed_each_module_the_reference_input_in_its_own_layout() -> None:
+    from pytest_precision.ports import Adapted, Layout, seq_first
+
+    torch.manual_seed(0)
+    net = Net()
+    x = torch.randn(3, 5, 4, generator=torch.Generator().manual_seed(1))  # [batch, seq, in]
+    both_ways = Port(
+        model=lambda reference: SeqFirst(),
+        modules={
+            "a": Adapted("first", output=seq_first, input=seq_first),
+            "b": Adapted("second", output=seq_first, input=seq_first),
+        },
+        parameters=PARAMETERS,
+    )
+    report = compare(
+        net,
+        x,
+        [
+            "bf16",
+            Variant("ours_fp32", implementation=both_ways),
+            Variant("ours_bf16", dtype="bf16", implementation=both_ways),
+        ],
+        loss_fn=loss,
+        isolate=True,
+    )
+    for kind in ("fw_isolated", "bw_isolated", "grad_isolated"):
+        rows = report.records("ours_fp32", kind)
+        assert {r.name for r in rows} == {r.name for r in report.records("bf16", kind)} and rows
+        assert all(r.rms_rel is not None and r.rms_rel < 1e-6 for r in rows)
+    # The same module fed the same input in bf16: the error it adds itself, near the reference implementation's (its
+    # input is [seq, batch, ...]: another matmul kernel, another rounding).
+    ours, theirs = report.get("ours_bf16", "second", "fw_isolated"), report.get("bf16", "second", "fw_isolated")
+    assert ours.rms_rel is not None and theirs.rms_rel is not None
+    assert 0.5 < ours.rms_rel / theirs.rms_rel < 2
+    # One-way adapters cannot feed a module the reference's input.
+    one_way = Port(
+        model=lambda reference: SeqFirst(),
+        modules={
+            "a": Adapted("first", output=lambda t: t.transpose(0, 1), input=seq_first),
+            "b": Adapted("second", output=seq_first, input=seq_first),
+        },
+        parameters=PARAMETERS,
+    )
+    with pytest.raises(ConfigurationError, match=r"the adapter of 'a' -> 'first' goes one way; give a .*Layout"):
+        compare(net, x, [Variant("one_way", implementation=one_way, isolate=True)], loss_fn=loss)
+    assert isinstance(seq_first, Layout)

@@ -257,7 +257,6 @@ def test_port_label_names_the_model_class_or_the_factory() -> None:
 @pytest.mark.parametrize(
     ("changes", "what"),
     [
-        ({"isolate": True}, "isolate"),
         ({"arrangement": "decode"}, "an arrangement"),
         ({"replay_routing": True}, "routing replay"),
         ({"param_dtype": "bf16"}, "FSDP2 mixed precision"),
@@ -268,6 +267,10 @@ def test_a_port_variant_refuses_what_is_not_measured_for_ports(changes: dict[str
     with pytest.raises(ConfigurationError, match=rf"variant 'ours': .*{what} is not measured for a port"):
         Variant("ours", dtype="bf16", implementation=port(), **changes)
     Variant("ours", dtype="bf16", **changes)  # the same without the port is a valid variant
+
+
+def test_a_port_variant_may_be_isolated() -> None:
+    assert Variant("ours", dtype="bf16", implementation=port(), isolate=True).isolate
 
 
 def test_the_reference_is_never_a_port() -> None:

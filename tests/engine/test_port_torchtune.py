@@ -235,3 +235,15 @@ def test_a_config_the_port_cannot_build_is_refused_by_name() -> None:
     tied = tiny_llama(layers=1, tied=True)
     with pytest.raises(ConfigurationError, match=r"tie_word_embeddings=True"):
         compare(tied, batch(), variants=[Variant("tt", implementation=the_port())])
+
+
+def test_isolated_rows_place_a_port_bug_in_its_block_alone(model: nn.Module) -> None:
+    """Propagated rows carry a bug downstream; isolated rows (each block on the reference's input) put it in the
+    block it is in: layer 1's norm epsilon shows in layer 1's isolated row, layer 0's stays at rounding."""
+    port = planted(norm_epsilon, "norm_epsilon")
+    report = compare(model, batch(), variants=[Variant("bug", implementation=port, isolate=True)])
+    layer0, layer1 = (report.get("bug", f"model.layers.{i}", "fw_isolated").rms_rel for i in (0, 1))
+    assert layer0 is not None and layer0 < 1e-6
+    assert layer1 is not None and layer1 > 10 * PORT_CHECK_LIMIT
+    assert report.get("bug", "model.norm", "fw_isolated").rms_rel < 1e-6  # downstream, on the reference's input
+    assert report.get("bug", "model.norm", "fw").rms_rel > 10 * PORT_CHECK_LIMIT  # propagated, it inherits the bug
