@@ -343,3 +343,60 @@ def test_isolated_rows_of_a_port_feed_each_module_the_reference_input_in_its_own
     with pytest.raises(ConfigurationError, match=r"the adapter of 'a' -> 'first' goes one way; give a .*Layout"):
         compare(net, x, [Variant("one_way", implementation=one_way, isolate=True)], loss_fn=loss)
     assert isinstance(seq_first, Layout)
+
+
+def test_the_verdict_and_the_report_lines_read_the_rows_right(net: Net) -> None:
+    import dataclasses
+    import statistics
+
+    from pytest_precision.ports import port_verdict, ratio_rows
+
+    report = compare(
+        net,
+        inputs(),
+        variants=[
+            "bf16",
+            Variant("ours", implementation=port()),
+            Variant("ours_bf16", dtype="bf16", implementation=port()),
+        ],
+        loss_fn=loss,
+    )
+    rows = [r for r in report.records("ours") if r.kind in ("fw", "bw", "grad", "loss")]
+    verdict = port_verdict(report, "ours")
+    assert verdict.largest is not None
+    assert verdict.largest.rms_rel == max(r.rms_rel for r in rows if r.rms_rel is not None)
+    # A row whose reference is all zeros (rms_rel undefined) agrees when the port's is zeros too, not otherwise.
+    records = report._records["ours"]
+    index = records.index(report.get("ours", "second"))
+    original = records[index]
+    records[index] = dataclasses.replace(original, rms_rel=None, rms_abs=0.0)
+    assert port_verdict(report, "ours").agrees
+    records[index] = dataclasses.replace(original, rms_rel=None, rms_abs=1e-9)
+    assert port_verdict(report, "ours").first is records[index]
+    records[index] = original
+    # The header's median is the median row's ratio.
+    ratios = sorted(r.ratio for r in ratio_rows(report, "ours_bf16", "bf16"))
+    line = next(x for x in report.format(full=False).splitlines() if "against bf16: rms_rel ratio median" in x)
+    assert f"median {ratios[len(ratios) // 2]:.2f}," in line
+    assert abs(ratios[len(ratios) // 2] - statistics.median(ratios)) <= max(ratios) - min(ratios)
+
+
+def test_a_converter_giving_a_buffer_before_the_weights_still_loads_every_weight(net: Net) -> None:
+    class WithBuffer(Renamed):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(1))
+
+    def from_reference(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        converted = {"scale": torch.ones(1)}  # a buffer first, as some converters give them
+        converted.update({k.replace("first.", "a.").replace("second.", "b."): v for k, v in state.items()})
+        return converted
+
+    with_buffer = Port(
+        model=lambda reference: WithBuffer(),
+        modules={"a": "first", "b": "second"},
+        to_reference=lambda state: {k.replace("a.", "first.").replace("b.", "second."): v for k, v in state.items()},
+        from_reference=from_reference,
+    )
+    report = compare(net, inputs(), variants=[Variant("buffered", implementation=with_buffer)], loss_fn=loss)
+    assert report.runs["buffered"].port["weights_checked"] == 4

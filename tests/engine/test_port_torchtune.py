@@ -75,6 +75,9 @@ def test_the_faithful_port_agrees_to_rounding_in_every_row(report: PrecisionRepo
     assert verdict.agrees, str(verdict)
     assert verdict.largest is not None and verdict.largest.rms_rel is not None
     assert verdict.largest.rms_rel < 1e-5  # a few tens of units of fp32 rounding, far below the limit
+    checked = [r for kind in ("fw", "logprob", "loss", "bw", "grad") for r in report.records("torchtune_fp32", kind)]
+    assert any(r.rms_rel == 0 for r in checked)  # the embedding: a lookup, exact
+    assert verdict.largest.rms_rel == max(r.rms_rel for r in checked if r.rms_rel is not None)
     assert "agrees to rounding" in str(verdict)
     assert_port_agrees(report, "torchtune_fp32")
 
