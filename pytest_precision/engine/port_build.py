@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pytest_precision.base.errors import ConfigurationError, ModelRunError
 from pytest_precision.engine.port_spec import (
     Adapted,
-    Converted,
-    Fused,
     Port,
-    Transposed,
     filled,
     matched,
     modules_of,
     way_back,
 )
+from pytest_precision.engine.port_weights import ParameterMap, check_same_weights, load_weights, where
 
 if TYPE_CHECKING:
     import torch
@@ -30,12 +28,6 @@ if TYPE_CHECKING:
     from pytest_precision.engine.capture import Sink
     from pytest_precision.engine.isolated import Counterpart
     from pytest_precision.engine.variants import Variant
-
-Tensors = dict[str, "torch.Tensor"]
-
-
-def _where(port: Port) -> str:
-    return f"implementation {port.label!r}"
 
 
 def reference_model(source: Any, device: torch.device) -> nn.Module:
@@ -70,13 +62,13 @@ def _other_model(port: Port, reference: nn.Module, device: torch.device) -> nn.M
             raise
         except Exception as error:
             raise ModelRunError(
-                f"{_where(port)}: its factory raised {type(error).__name__}: {error} (a port's factory is called as "
+                f"{where(port)}: its factory raised {type(error).__name__}: {error} (a port's factory is called as "
                 "factory(reference_model) and returns the other implementation)"
             ) from error
     else:
-        raise ConfigurationError(f"{_where(port)}: model must be an nn.Module or a factory (reference) -> nn.Module")
+        raise ConfigurationError(f"{where(port)}: model must be an nn.Module or a factory (reference) -> nn.Module")
     if not isinstance(model, nn.Module):
-        raise ConfigurationError(f"{_where(port)}: the factory returned {type(model).__name__}, not an nn.Module")
+        raise ConfigurationError(f"{where(port)}: the factory returned {type(model).__name__}, not an nn.Module")
     _check_own(model, reference, port)
     model = model.to(device)
     cast_parameters(model, "float32")
@@ -99,177 +91,15 @@ def _check_own(model: nn.Module, reference: nn.Module, port: Port) -> None:
     shared = storages(reference) & storages(model)
     if model is reference or shared:
         raise ConfigurationError(
-            f"{_where(port)}: the factory returned the reference model, or a model sharing its parameters; it must "
+            f"{where(port)}: the factory returned the reference model, or a model sharing its parameters; it must "
             "build a new model of the other implementation (the run loads the reference's weights into it)"
         )
     if model in _PRODUCTS:
         raise ConfigurationError(
-            f"{_where(port)}: the factory returned the same {type(model).__name__} object for two runs; build a new "
+            f"{where(port)}: the factory returned the same {type(model).__name__} object for two runs; build a new "
             "model each call, or pass the model itself as Port(model=...), which each run copies"
         )
     _PRODUCTS.add(model)
-
-
-class ParameterMap:
-    """The parameter correspondence of a port, both ways, for one pair of models."""
-
-    def __init__(self, port: Port, reference_shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.port = port
-        self.shapes = reference_shapes
-
-    def to_reference(self, tensors: Tensors) -> Tensors:
-        """The other implementation's tensors (weights or gradients) by the reference's names, in its layouts."""
-        port = self.port
-        if port.parameters is None:
-            assert port.to_reference is not None
-            return _called(port.to_reference, tensors, port, "to_reference")
-        result: Tensors = {}
-        for name, tensor in tensors.items():
-            for text, target in port.parameters.items():
-                values = matched(text, name)
-                if values is None:
-                    continue
-                result.update(self._converted(target, values, tensor))
-                break
-            else:
-                raise ConfigurationError(
-                    f"{_where(port)}: parameter {name!r} of the other implementation matches no pattern of "
-                    "parameters=; map it to the reference's parameter it holds"
-                )
-        return result
-
-    def _converted(self, target: object, values: Mapping[str, str], tensor: torch.Tensor) -> Tensors:
-        if isinstance(target, str):
-            return {filled(target, values): tensor}
-        if isinstance(target, Transposed):
-            return {filled(target.name, values): tensor.transpose(0, 1)}
-        if isinstance(target, Converted):
-            return {filled(target.name, values): target.to_reference(tensor)}
-        assert isinstance(target, Fused)
-        names = [filled(n, values) for n in target.names]
-        missing = [n for n in names if n not in self.shapes]
-        if missing:
-            raise ConfigurationError(f"{_where(self.port)}: Fused names {', '.join(missing)}, not reference parameters")
-        sizes = [self.shapes[n][target.dim] for n in names]
-        import torch
-
-        return dict(zip(names, torch.split(tensor, sizes, dim=target.dim), strict=True))
-
-    def from_reference(self, tensors: Tensors, other_names: Sequence[str]) -> Tensors:
-        """The reference's weights as the other implementation's state dict (for load_state_dict)."""
-        port = self.port
-        if port.parameters is None:
-            assert port.from_reference is not None
-            return _called(port.from_reference, tensors, port, "from_reference")
-        import torch
-
-        result: Tensors = {}
-        for name in other_names:
-            for text, target in port.parameters.items():
-                values = matched(text, name)
-                if values is None:
-                    continue
-                if isinstance(target, Fused):
-                    parts = [_needed(tensors, filled(n, values), name, port) for n in target.names]
-                    result[name] = torch.cat(parts, dim=target.dim)
-                elif isinstance(target, str):
-                    result[name] = _needed(tensors, filled(target, values), name, port)
-                else:
-                    source = _needed(tensors, filled(target.name, values), name, port)  # type: ignore[union-attr]
-                    converted = source.transpose(0, 1) if isinstance(target, Transposed) else None
-                    result[name] = converted if converted is not None else target.from_reference(source)  # type: ignore[union-attr]
-                break
-            else:
-                raise ConfigurationError(
-                    f"{_where(port)}: parameter {name!r} of the other implementation matches no pattern of "
-                    "parameters=; map it to the reference's parameter it holds"
-                )
-        return result
-
-
-def _needed(tensors: Tensors, name: str, other: str, port: Port) -> torch.Tensor:
-    if name not in tensors:
-        raise ConfigurationError(
-            f"{_where(port)}: parameters= maps {other!r} to {name!r}, which the reference model does not have"
-        )
-    return tensors[name]
-
-
-def _called(function: Callable[[Tensors], Tensors], tensors: Tensors, port: Port, which: str) -> Tensors:
-    try:
-        result = function(dict(tensors))
-    except (ConfigurationError, ModelRunError):
-        raise
-    except Exception as error:
-        raise ModelRunError(f"{_where(port)}: {which} raised {type(error).__name__}: {error}") from error
-    if not isinstance(result, Mapping):
-        raise ConfigurationError(f"{_where(port)}: {which} returned {type(result).__name__}, not a state dict")
-    return dict(result)
-
-
-def _load(model: nn.Module, state: Tensors, port: Port) -> None:
-    """Load `state` into the other implementation's parameters, refusing any it leaves out or does not have."""
-    import torch
-
-    parameters = dict(model.named_parameters(remove_duplicate=False))
-    unknown = sorted(set(state) - set(parameters) - set(model.state_dict()))
-    if unknown:
-        raise ConfigurationError(
-            f"{_where(port)}: the converted weights name {', '.join(unknown[:6])}, which the other implementation "
-            "does not have; check the parameter map"
-        )
-    left = [name for name in parameters if name not in state]
-    if left:
-        raise ConfigurationError(
-            f"{_where(port)}: the parameter map gives no weight for {', '.join(left[:6])} of the other implementation; "
-            "map them to the reference's parameters"
-        )
-    with torch.no_grad():
-        for name, tensor in state.items():
-            target = parameters.get(name)
-            if target is None:
-                continue
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ConfigurationError(
-                    f"{_where(port)}: the weight for {name!r} has shape {tuple(tensor.shape)}, the other "
-                    f"implementation's is {tuple(target.shape)}; check its entry in the parameter map"
-                )
-            target.copy_(tensor)
-
-
-def check_same_weights(reference: Tensors, converted: Tensors, port: Port, aliases: set[str] | None = None) -> int:
-    """Refuse two implementations holding different weights, naming the first reference parameter that differs (in
-    the reference's order); the number of parameters compared. `aliases`: every name of the reference's parameters
-    (tied ones under each of their names), which the map may also give."""
-    import torch
-
-    for name, weight in reference.items():
-        other = converted.get(name)
-        if other is None:
-            raise ConfigurationError(
-                f"{_where(port)}: the reference's parameter {name!r} has no counterpart in the other implementation "
-                "through the parameter map; map the parameter that holds it"
-            )
-        if tuple(other.shape) != tuple(weight.shape):
-            raise ConfigurationError(
-                f"{_where(port)}: parameter {name!r} has shape {tuple(other.shape)} in the other implementation "
-                f"(through the map), {tuple(weight.shape)} in the reference; check its entry in the parameter map"
-            )
-        same = torch.equal(other.detach().to(weight.device, weight.dtype), weight.detach())
-        if not same:
-            difference = (other.detach().double().to(weight.device) - weight.detach().double()).abs()
-            largest = float(difference.nan_to_num(nan=float("inf")).max())
-            raise ConfigurationError(
-                f"{_where(port)}: the two implementations hold different weights: parameter {name!r} differs "
-                f"(max |difference| {largest:.3g}); comparing two implementations with different weights measures "
-                "nothing: load the reference's weights (load_weights=True) or fix the parameter map"
-            )
-    extra = sorted(set(converted) - set(reference) - (aliases or set()))
-    if extra:
-        raise ConfigurationError(
-            f"{_where(port)}: the parameter map gives {', '.join(extra[:6])}, which the reference model does not have"
-        )
-    return len(reference)
 
 
 @dataclass
@@ -328,7 +158,7 @@ class PortModel:
                     adapted = tensor if adapt is None else adapt(tensor)
                 except Exception as error:
                     raise ModelRunError(
-                        f"{_where(self.parameter_map.port)}: the adapter of {base!r} -> {target.name!r} raised "
+                        f"{where(self.parameter_map.port)}: the adapter of {base!r} -> {target.name!r} raised "
                         f"{type(error).__name__}: {error} on its {kind} tensor of shape {tuple(tensor.shape)}"
                     ) from error
                 sink(target.name + hash_sign + call, kind, adapted)
@@ -340,7 +170,7 @@ class PortModel:
         back from the reference's layouts (isolated.Counterpart). A boundary without a counterpart is left out (it
         has no rows: the report lists it unmapped); one standing in a fused module, or whose adapter only goes one
         way, is a ConfigurationError naming it."""
-        where = f"isolate=True with {_where(self.port)}"
+        heading = f"isolate=True with {where(self.port)}"
         found: dict[str, Counterpart] = {}
         for boundary in boundaries:
             other = next((o for o, reference in self.counterparts.items() if reference == boundary), None)
@@ -349,14 +179,14 @@ class PortModel:
                 continue
             if len(targets) > 1:
                 raise ConfigurationError(
-                    f"{where}: {other!r} stands for {len(targets)} reference modules (a fused module); its input is "
+                    f"{heading}: {other!r} stands for {len(targets)} reference modules (a fused module); its input is "
                     f"not {boundary!r}'s alone: select modules around it"
                 )
             target = targets[0]
             (input_ok, input_back), (output_ok, output_back) = way_back(target.input), way_back(target.output)
             if not (input_ok and output_ok):
                 raise ConfigurationError(
-                    f"{where}: the adapter of {other!r} -> {boundary!r} goes one way; give a "
+                    f"{heading}: the adapter of {other!r} -> {boundary!r} goes one way; give a "
                     "pytest_precision.ports.Layout(to_reference, from_reference) so that its module can be fed the "
                     "reference's input and gradient"
                 )
@@ -429,7 +259,7 @@ def _module_rows(
                 reference_name = filled(target.name, values)
                 if reference_name in sources:
                     raise ConfigurationError(
-                        f"{_where(port)}: modules {sources[reference_name]!r} and {name!r} both map to the reference's "
+                        f"{where(port)}: modules {sources[reference_name]!r} and {name!r} both map to the reference's "
                         f"{reference_name!r}; map one module to it"
                     )
                 sources[reference_name] = name
@@ -442,7 +272,7 @@ def _module_rows(
     if unused:
         sample = ", ".join(modules_of(other)[:8])
         raise ConfigurationError(
-            f"{_where(port)}: module pattern(s) {', '.join(map(repr, unused))} match no module of "
+            f"{where(port)}: module pattern(s) {', '.join(map(repr, unused))} match no module of "
             f"{type(other).__name__} (its modules: {sample}, ...)"
         )
     return rows, matched_modules, sources
@@ -495,7 +325,7 @@ def build_port_model(
             {n: t.float().clone() for n, t in all_names.items()},
             [n for n, _ in other.named_parameters(remove_duplicate=False)],
         )
-        _load(other, state, port)
+        load_weights(other, state, port)
     held = {n: p.detach() for n, p in other.named_parameters()}
     converted = parameter_map.to_reference(held)
     checked = check_same_weights({n: t.float() for n, t in weights.items()}, converted, port, aliases=set(all_names))

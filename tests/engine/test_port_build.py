@@ -21,7 +21,8 @@ from torch import nn
 
 import pytest_precision as pp
 from pytest_precision.base.errors import ConfigurationError, ModelRunError
-from pytest_precision.engine.port_build import ParameterMap, build_port_model, check_same_weights
+from pytest_precision.engine.port_build import build_port_model
+from pytest_precision.engine.port_weights import ParameterMap, check_same_weights
 from pytest_precision.ports import (
     Adapted,
     Converted,
