@@ -82,6 +82,13 @@ def port_verdict(report: ReportData, variant: str, *, limit: float = PORT_CHECK_
             f"port check: {variant!r} is not a variant of this report running another implementation (those: "
             f"{', '.join(port_variants(report)) or 'none'})"
         )
+    dtype = run.variant.get("dtype")
+    if dtype not in ("float32", "float64"):
+        raise ConfigurationError(
+            f"port check: {variant!r} runs in {dtype}; the port check compares a port run in fp32 with the reference, "
+            f"to rounding. For a {dtype} port, hold its error to the reference implementation's in {dtype}: "
+            "assert_port_within(report, ours, theirs, factor=...)"
+        )
     rows = _checked_rows(report, variant)
     first = next((r for r in rows if _above(r, limit)), None)
     finite = [r for r in rows if r.rms_rel is not None and math.isfinite(r.rms_rel)]

@@ -400,3 +400,11 @@ def test_a_converter_giving_a_buffer_before_the_weights_still_loads_every_weight
     )
     report = compare(net, inputs(), variants=[Variant("buffered", implementation=with_buffer)], loss_fn=loss)
     assert report.runs["buffered"].port["weights_checked"] == 4
+
+
+def test_the_port_check_of_a_low_precision_port_points_to_the_ratio_gate(net: Net) -> None:
+    from pytest_precision.ports import assert_port_agrees
+
+    report = compare(net, inputs(), variants=[Variant("ours_bf16", dtype="bf16", implementation=port())], loss_fn=loss)
+    with pytest.raises(ConfigurationError, match=r"'ours_bf16' runs in bfloat16; .*assert_port_within"):
+        assert_port_agrees(report, "ours_bf16")
