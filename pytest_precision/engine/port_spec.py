@@ -141,6 +141,8 @@ class Port:
     name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigurationError(f"Port: name must be a non-empty string (how reports name it), got {self.name!r}")
         where = f"Port({self.label})"
         if not isinstance(self.modules, Mapping) or not self.modules:
             raise ConfigurationError(

@@ -408,3 +408,9 @@ def test_the_port_check_of_a_low_precision_port_points_to_the_ratio_gate(net: Ne
     report = compare(net, inputs(), variants=[Variant("ours_bf16", dtype="bf16", implementation=port())], loss_fn=loss)
     with pytest.raises(ConfigurationError, match=r"'ours_bf16' runs in bfloat16; .*assert_port_within"):
         assert_port_agrees(report, "ours_bf16")
+
+
+@pytest.mark.parametrize("name", [3, "", "  ", b"ours"])
+def test_a_port_name_that_is_not_a_name_is_refused(name: object) -> None:
+    with pytest.raises(ConfigurationError, match=r"Port: name must be a non-empty string"):
+        port(name=name)
