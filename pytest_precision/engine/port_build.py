@@ -282,15 +282,17 @@ def _mark_head(other: nn.Module, reference: nn.Module, sources: Mapping[str, str
     """Give the other implementation (the run's own copy) the reference's `get_output_embeddings` through the module
     map, when it has none: its output head is then what "<output head>" names in fp32_modules, kept in high precision
     by the low-bit formats and returning fp32 logits when computed in fp32, as the reference's head is."""
+    from pytest_precision.engine.model_build import head_module_name
+
     if callable(getattr(other, "get_output_embeddings", None)):
         return
-    getter = getattr(reference, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    name = next((n for n, m in reference.named_modules() if head is not None and m is head), None)
-    mapped = sources.get(name) if name is not None else None
+    try:
+        mapped = sources.get(head_module_name(reference))
+    except ConfigurationError:  # the reference has no output head to map
+        return
     if mapped is None:
         return
-    module = dict(other.named_modules())[mapped]
+    module = other.get_submodule(mapped)
     object.__setattr__(other, "get_output_embeddings", lambda: module)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pytest_precision.base.errors import ConfigurationError, ModelRunError
-from pytest_precision.engine.port_spec import Converted, Fused, Port, Transposed, filled, matched
+from pytest_precision.engine.port_spec import Converted, Fused, ParameterTarget, Port, Transposed, filled, matched
 
 if TYPE_CHECKING:
     import torch
@@ -37,18 +37,21 @@ class ParameterMap:
             return _called(port.to_reference, tensors, port, "to_reference")
         result: Tensors = {}
         for name, tensor in tensors.items():
-            for text, target in port.parameters.items():
-                values = matched(text, name)
-                if values is None:
-                    continue
-                result.update(self._converted(target, values, tensor))
-                break
-            else:
-                raise ConfigurationError(
-                    f"{where(port)}: parameter {name!r} of the other implementation matches no pattern of "
-                    "parameters=; map it to the reference's parameter it holds"
-                )
+            target, values = self._entry(name)
+            result.update(self._converted(target, values, tensor))
         return result
+
+    def _entry(self, name: str) -> tuple[ParameterTarget, dict[str, str]]:
+        """The parameter map's entry for the other implementation's parameter `name`, and its placeholder values."""
+        assert self.port.parameters is not None
+        for text, target in self.port.parameters.items():
+            values = matched(text, name)
+            if values is not None:
+                return target, values
+        raise ConfigurationError(
+            f"{where(self.port)}: parameter {name!r} of the other implementation matches no pattern of "
+            "parameters=; map it to the reference's parameter it holds"
+        )
 
     def _converted(self, target: object, values: Mapping[str, str], tensor: torch.Tensor) -> Tensors:
         if isinstance(target, str):
@@ -77,25 +80,16 @@ class ParameterMap:
 
         result: Tensors = {}
         for name in other_names:
-            for text, target in port.parameters.items():
-                values = matched(text, name)
-                if values is None:
-                    continue
-                if isinstance(target, Fused):
-                    parts = [_needed(tensors, filled(n, values), name, port) for n in target.names]
-                    result[name] = torch.cat(parts, dim=target.dim)
-                elif isinstance(target, str):
-                    result[name] = _needed(tensors, filled(target, values), name, port)
-                else:
-                    source = _needed(tensors, filled(target.name, values), name, port)  # type: ignore[union-attr]
-                    converted = source.transpose(0, 1) if isinstance(target, Transposed) else None
-                    result[name] = converted if converted is not None else target.from_reference(source)  # type: ignore[union-attr]
-                break
+            target, values = self._entry(name)
+            if isinstance(target, Fused):
+                parts = [_needed(tensors, filled(n, values), name, port) for n in target.names]
+                result[name] = torch.cat(parts, dim=target.dim)
+            elif isinstance(target, str):
+                result[name] = _needed(tensors, filled(target, values), name, port)
+            elif isinstance(target, Transposed):
+                result[name] = _needed(tensors, filled(target.name, values), name, port).transpose(0, 1)
             else:
-                raise ConfigurationError(
-                    f"{where(port)}: parameter {name!r} of the other implementation matches no pattern of "
-                    "parameters=; map it to the reference's parameter it holds"
-                )
+                result[name] = target.from_reference(_needed(tensors, filled(target.name, values), name, port))
         return result
 
 

@@ -226,7 +226,7 @@ class Runner:
             replay = self._replay(variant, routers)
             float_dtype = torch_dtype(variant.weight_dtype)
             args, kwargs = self.batch.on(self.device, float_dtype)
-            call_inputs: Any = kwargs if not args else (args[0] if len(args) == 1 else args)
+            call_inputs = _call_inputs(args, kwargs)
             seed_run(self.device)
             backward = self.backward and not variant.forward_only  # quantized inference: forward only
             autocast = self._autocast(variant)
@@ -274,10 +274,7 @@ class Runner:
             ):
                 with torch.set_grad_enabled(backward), autocast:
                     try:
-                        if port is not None and port.port.forward is not None:
-                            output = port.port.forward(model, call_inputs)
-                        else:
-                            output = model(*args, **kwargs)
+                        output = _forward(model, port, args, kwargs)
                     except PrecisionError:
                         raise
                     except Exception as error:
@@ -480,10 +477,7 @@ class Runner:
         ):
             with torch.set_grad_enabled(backward), autocast:
                 try:
-                    if port is not None and port.port.forward is not None:
-                        port.port.forward(model, kwargs if not args else (args[0] if len(args) == 1 else args))
-                    else:
-                        model(*args, **kwargs)
+                    _forward(model, port, args, kwargs)
                 except PrecisionError:
                     raise
                 except Exception as error:
@@ -624,6 +618,18 @@ class Runner:
         if kind == ROUTING_KIND:  # (rows, positions, 2k + 1): counted positions; off the batch's grid: all tokens
             return select_positions(tensor, positions.shape, positions.index).reshape(-1, tensor.shape[-1])
         return select_positions(tensor, positions.shape, positions.index) if kind in ("fw", "bw") else tensor
+
+
+def _call_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The inputs as the caller gave them: the dict of keyword arguments, the one tensor, or the tuple."""
+    return kwargs if not args else (args[0] if len(args) == 1 else args)
+
+
+def _forward(model: nn.Module, port: PortModel | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The run model's forward: as the reference is called, or through the port's own forward(model, inputs)."""
+    if port is not None and port.port.forward is not None:
+        return port.port.forward(model, _call_inputs(args, kwargs))
+    return model(*args, **kwargs)
 
 
 def compute_dtype(variant: Variant) -> torch.dtype:
